@@ -1,0 +1,69 @@
+"""Builds the aiohttp Application: long-lived objects in cleanup_ctx, routes, middleware."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+from redis.asyncio import Redis
+
+from proxy import __version__, pipeline
+from proxy.appkeys import CONFIG, OPENAPI, REDIS, ROUTER, UPSTREAMS
+from proxy.config import Config
+from proxy.middleware import gateway_middleware
+from proxy.openapi import CHAT_OPERATIONS, build_openapi
+from proxy.upstream.client import Upstreams
+from proxy.upstream.pool import Router
+
+
+def build_app(config: Config, *, redis_url: str) -> web.Application:
+    # Each route reads its own body under its own cap (proxy.request_body); this is a backstop.
+    app = web.Application(
+        middlewares=[gateway_middleware],
+        client_max_size=config.policies.requests.chat.max_body_bytes,
+    )
+    app[CONFIG] = config
+    app[ROUTER] = Router(config.backends)
+    app[OPENAPI] = orjson.dumps(
+        build_openapi(CHAT_OPERATIONS, title="Inference Gateway", version=__version__)
+    )
+
+    async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[REDIS] = Redis.from_url(redis_url)
+        yield
+        await app[REDIS].aclose()
+
+    async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[UPSTREAMS] = Upstreams(config.upstream)
+        yield
+        await app[UPSTREAMS].close()
+
+    app.cleanup_ctx.extend([redis_ctx, upstreams_ctx])
+    app.router.add_post("/v2/compat/v1/chat/completions", pipeline.chat_completions)
+    app.router.add_get("/v2/openapi.json", openapi_document)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Alive: the process answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: the state store answers and at least one backend may take traffic."""
+    checks: dict[str, bool] = {}
+    try:
+        checks["redis"] = bool(await request.app[REDIS].ping())
+    except Exception:  # any failure to reach the store means not ready; its text is not public
+        checks["redis"] = False
+    checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
+    ready = all(checks.values())
+    body = {"status": "ready" if ready else "not ready", "checks": checks}
+    return web.json_response(body, status=200 if ready else 503)

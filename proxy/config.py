@@ -1,0 +1,198 @@
+"""backends.toml and policies/*.toml, parsed once into frozen, typed objects.
+
+Strict: an unknown key, an unknown policy file or a value of the wrong type is an error naming the
+file and the key (``backends.toml: backends[0].modles: Extra inputs are not permitted``), and every
+error in a file is reported, not just the first. The same msgspec Structs describe the files and
+check them, through the collector the request validator uses.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import msgspec
+
+from proxy.headers import NEVER_FORWARDED
+from proxy.validate import RequestInvalid, validate
+
+BackendKind = Literal["tgi", "vllm", "openai", "ollama", "whisper", "tts", "image", "video"]
+
+# Backend kinds that serve OpenAI-compatible `/v1/chat/completions` (vLLM, TGI's Messages API,
+# OpenAI itself, Ollama's OpenAI dialect).
+CHAT_KINDS: frozenset[str] = frozenset({"tgi", "vllm", "openai", "ollama"})
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base for every config table: immutable, keyword-only, unknown keys refused."""
+
+
+class GatewaySection(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 8080
+    # Unset: `serve` starts an embedded redis-server under data_dir (GATEWAY_REDIS_URL overrides).
+    redis_url: str | None = None
+    # Relative paths are taken from the config folder.
+    data_dir: str = ".gateway"
+
+
+class UpstreamSection(_Section):
+    connect_timeout_s: Seconds = 5.0
+    # Until the first byte of the body: covers queueing and prefill (and, for a non-streaming
+    # request, the whole generation, since those servers answer only when done).
+    first_byte_timeout_s: Seconds = 300.0
+    # Longest silence between two chunks once a stream is flowing.
+    idle_timeout_s: Seconds = 60.0
+
+
+class BackendSpec(_Section):
+    name: NonEmpty
+    kind: BackendKind
+    url: NonEmpty
+    models: Annotated[list[NonEmpty], msgspec.Meta(min_length=1)]
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
+    weight: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Client headers passed upstream as they are: exact names or prefixes ending in `*`
+    # (the simulators read `x-sim-*` fault headers). Nothing else from the client goes upstream.
+    forward_headers: list[NonEmpty] = []
+    # Name of an environment variable holding the backend's own API key (vLLM --api-key, OpenAI).
+    api_key_env: str | None = None
+
+
+class BackendsFile(_Section):
+    gateway: GatewaySection = GatewaySection()
+    upstream: UpstreamSection = UpstreamSection()
+    backends: list[BackendSpec] = []
+
+
+class ChatRequestPolicy(_Section):
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+
+
+class RequestsPolicy(_Section):
+    """policies/requests.toml: caps on what a request may carry."""
+
+    chat: ChatRequestPolicy = ChatRequestPolicy()
+
+
+class Policies(_Section):
+    requests: RequestsPolicy = RequestsPolicy()
+
+
+# policies/<name>.toml -> the field of `Policies` it fills.
+POLICY_FILES: dict[str, type[msgspec.Struct]] = {"requests.toml": RequestsPolicy}
+
+
+class Config(_Section):
+    root: str
+    gateway: GatewaySection
+    upstream: UpstreamSection
+    backends: tuple[BackendSpec, ...]
+    policies: Policies
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.root) / self.gateway.data_dir
+
+
+class ConfigError(Exception):
+    """Every problem found in the config folder, one `file: key: message` line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def load_config(folder: str | Path = ".") -> Config:
+    """Read backends.toml and policies/*.toml from `folder`; ConfigError lists every fault."""
+    root = Path(folder).resolve()
+    problems: list[str] = []
+
+    backends_path = root / "backends.toml"
+    backends = _load_file(backends_path, "backends.toml", BackendsFile, problems)
+    if backends is not None:
+        problems.extend(_check_backends(backends))
+
+    policies: dict[str, Any] = {}
+    policy_dir = root / "policies"
+    if policy_dir.is_dir():
+        for path in sorted(policy_dir.glob("*.toml")):
+            label = f"policies/{path.name}"
+            schema = POLICY_FILES.get(path.name)
+            if schema is None:
+                known = ", ".join(sorted(POLICY_FILES))
+                problems.append(f"{label}: unknown policy file (known: {known})")
+                continue
+            loaded = _load_file(path, label, schema, problems)
+            if loaded is not None:
+                policies[path.stem] = loaded
+
+    if problems or backends is None:
+        raise ConfigError(problems)
+    return Config(
+        root=str(root),
+        gateway=backends.gateway,
+        upstream=backends.upstream,
+        backends=tuple(backends.backends),
+        policies=Policies(**policies),
+    )
+
+
+def _load_file(path: Path, label: str, schema: type[S], problems: list[str]) -> S | None:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problems.append(f"{label}: file not found in {path.parent}")
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"{label}: cannot read: {exc.__class__.__name__}")
+        return None
+    except tomllib.TOMLDecodeError as exc:
+        problems.append(f"{label}: not valid TOML: {exc}")
+        return None
+    try:
+        return validate(data, schema)
+    except RequestInvalid as exc:
+        for item in exc.detail:
+            problems.append(f"{label}: {_key_path(item['loc'])}: {item['msg']}")
+        return None
+
+
+def _key_path(loc: object) -> str:
+    parts = list(loc) if isinstance(loc, list | tuple) else []
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _check_backends(file: BackendsFile) -> list[str]:
+    """Rules that span fields: unique names, usable URLs, readable key variables."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for i, backend in enumerate(file.backends):
+        where = f"backends.toml: backends[{i}]"
+        if backend.name in seen:
+            problems.append(f"{where}.name: duplicate backend name {backend.name!r}")
+        seen.add(backend.name)
+        url = urlsplit(backend.url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            problems.append(f"{where}.url: must be an http:// or https:// URL with a host")
+        elif url.query or url.fragment or url.username or url.password:
+            problems.append(f"{where}.url: must not carry a query, fragment or credentials")
+        for name in backend.forward_headers:
+            if name.rstrip("*").lower() in NEVER_FORWARDED | {""}:
+                problems.append(f"{where}.forward_headers: {name!r} may never be forwarded")
+    return problems
+

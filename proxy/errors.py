@@ -1,0 +1,97 @@
+"""Every error the gateway answers with, and its two renderings (JSON body, in-band stream event).
+
+One error type, `GatewayError`, carries an `ErrorKind` (HTTP status + `error.type`), a public
+message and optional headers. Nothing else reaches a client: handlers raise `GatewayError`, the
+error middleware renders it, and unexpected exceptions become a bare 500 without their text.
+
+    GatewayError
+      kind: ErrorKind  -> status (400 ... 504), type ("invalid_json" ... "upstream_timeout")
+      message          -> public text, never exception text, keys or tokens
+      detail           -> the 422 list (FastAPI style) or None (the message is used)
+      headers          -> e.g. Retry-After
+
+Pure: imports neither aiohttp nor redis.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+
+class ErrorKind(enum.Enum):
+    """DESIGN.md §6: status and `error.type` for each failure the gateway reports."""
+
+    INVALID_JSON = (400, "invalid_json")
+    INVALID_REQUEST = (400, "invalid_request")
+    INVALID_API_KEY = (401, "invalid_api_key")
+    INSUFFICIENT_CREDITS = (402, "insufficient_credits")
+    FORBIDDEN = (403, "forbidden")
+    NOT_FOUND = (404, "not_found")
+    METHOD_NOT_ALLOWED = (405, "method_not_allowed")
+    PAYLOAD_TOO_LARGE = (413, "payload_too_large")
+    UNSUPPORTED_MEDIA_TYPE = (415, "unsupported_media_type")
+    VALIDATION_ERROR = (422, "validation_error")
+    RATE_LIMITED = (429, "rate_limited")
+    INTERNAL_ERROR = (500, "internal_error")
+    NOT_IMPLEMENTED = (501, "not_implemented")
+    UPSTREAM_ERROR = (502, "upstream_error")
+    UNAVAILABLE = (503, "unavailable")
+    UPSTREAM_TIMEOUT = (504, "upstream_timeout")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+    @property
+    def type(self) -> str:
+        return self.value[1]
+
+
+class GatewayError(Exception):
+    """A failure with a public message; raised anywhere on the request path."""
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        detail: list[dict[str, Any]] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.detail = detail
+        self.headers = dict(headers or {})
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    def body(self) -> dict[str, Any]:
+        """`detail` for FastAPI-style clients, `error` for the OpenAI and Anthropic SDKs."""
+        return {
+            "detail": self.detail if self.detail is not None else self.message,
+            "error": {"type": self.kind.type, "message": self.message},
+        }
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+    def sse_event(self) -> bytes:
+        """The in-band error once a 200 stream has started (openai-python raises on it)."""
+        event = {"error": {"type": self.kind.type, "message": self.message, "code": self.status}}
+        return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def validation_failed(detail: list[dict[str, Any]]) -> GatewayError:
+    count = len(detail)
+    noun = "error" if count == 1 else "errors"
+    first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
+    where = ".".join(str(part) for part in first.get("loc", []))
+    message = f"{count} validation {noun}; first: {where}: {first.get('msg')}"
+    return GatewayError(ErrorKind.VALIDATION_ERROR, message, detail=detail)

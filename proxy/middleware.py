@@ -1,0 +1,53 @@
+"""The two middlewares: request ids, and rendering every error in the documented shape."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from aiohttp import web
+
+from proxy.appkeys import REQUEST_ID
+from proxy.errors import ErrorKind, GatewayError
+from proxy.headers import request_id_from
+
+log = logging.getLogger("proxy")
+
+_HTTP_KINDS = {
+    404: ErrorKind.NOT_FOUND,
+    405: ErrorKind.METHOD_NOT_ALLOWED,
+    413: ErrorKind.PAYLOAD_TOO_LARGE,
+    415: ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+}
+
+
+@web.middleware
+async def gateway_middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+    request_id = request_id_from(request.headers.get("X-Request-Id"), uuid.uuid4().hex)
+    request[REQUEST_ID] = request_id
+    try:
+        response = await handler(request)
+    except GatewayError as exc:
+        response = error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = _HTTP_KINDS.get(exc.status, ErrorKind.INVALID_REQUEST)
+        message = "no such route" if exc.status == 404 else exc.reason
+        response = error_response(GatewayError(kind, message))
+        if exc.status == 405:
+            response.headers["Allow"] = exc.headers.get("Allow", "")
+    except Exception:
+        # Our bug, not the client's: log it here, never send its text.
+        log.exception("unhandled error", extra={"request_id": request_id})
+        response = error_response(GatewayError(ErrorKind.INTERNAL_ERROR, "internal error"))
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+def error_response(error: GatewayError) -> web.Response:
+    return web.Response(
+        status=error.status, body=error.json(), content_type="application/json",
+        headers=error.headers,
+    )

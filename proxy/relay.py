@@ -1,0 +1,117 @@
+"""Relaying an upstream SSE stream to the client, event by event, as it arrives.
+
+Never buffered beyond what one upstream read returned; each write waits for the client to drain
+(backpressure). Response headers go out only once the first client-bound event exists, so an
+upstream that fails at once still gets a real HTTP status. After that the status is fixed at 200
+and a failure (in-band error, cut connection, idle timeout) becomes exactly one error event
+followed by the normal terminator. A client that goes away cancels the handler, which closes the
+upstream request (see `Upstreams.exchange`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from proxy.errors import ErrorKind, GatewayError
+from proxy.sse import DONE, DONE_FRAME, Event, SSEDecoder, frame
+from proxy.translate.openai_chat import ChunkFilter, UpstreamStreamError
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+@dataclass(slots=True)
+class StreamResult:
+    """How a relayed stream ended, for metering.
+
+    `completed`, `cut` (upstream closed early), `timeout` (upstream went silent), `failed`
+    (upstream reported an error in-band) or `client_gone` (the client closed its connection).
+    """
+
+    outcome: str
+    error: GatewayError | None = None
+
+
+async def relay_sse(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    chunks: ChunkFilter,
+    headers: Mapping[str, str],
+) -> tuple[web.StreamResponse, StreamResult]:
+    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    decoder = SSEDecoder()
+    pending: list[bytes] = []
+    result = StreamResult("completed")
+
+    def take(events: list[Event]) -> bool:
+        """Queue the client's frames for these events; True once the upstream said [DONE]."""
+        for event in events:
+            if event.data == DONE:
+                return True
+            data = chunks.feed(event.data)
+            if data is not None:
+                pending.append(frame(data))
+        return False
+
+    try:
+        done = False
+        async for chunk in upstream.content.iter_any():
+            done = take(decoder.feed(chunk))
+            if pending:
+                await _send(request, response, b"".join(pending))
+                pending.clear()
+            if done:
+                break
+        else:
+            done = take(decoder.finish())
+        if not done and not chunks.finished:
+            result = _failed("cut", ErrorKind.UPSTREAM_ERROR,
+                             "the model server closed the stream before it finished")
+    except UpstreamStreamError as exc:
+        result = _failed("failed", ErrorKind.UPSTREAM_ERROR, exc.message)
+    except (aiohttp.ServerTimeoutError, TimeoutError):
+        result = _failed("timeout", ErrorKind.UPSTREAM_TIMEOUT,
+                         "the model server stopped sending before the stream finished")
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        result = _failed("cut", ErrorKind.UPSTREAM_ERROR,
+                         "the model server closed the stream before it finished")
+
+    except ClientGone:
+        return response, StreamResult("client_gone")
+
+    if result.error is not None and not response.prepared:
+        raise result.error
+    tail = pending
+    if result.error is not None:
+        tail.append(result.error.sse_event())
+    tail.append(DONE_FRAME)
+    try:
+        await _send(request, response, b"".join(tail))
+        await response.write_eof()
+    except (ClientGone, ConnectionError):
+        return response, StreamResult("client_gone", result.error)
+    return response, result
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-stream (not an upstream failure)."""
+
+
+async def _send(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+    try:
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionError) as exc:
+        raise ClientGone from exc
+
+
+def _failed(outcome: str, kind: ErrorKind, message: str) -> StreamResult:
+    return StreamResult(outcome, GatewayError(kind, message))

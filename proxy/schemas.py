@@ -1,0 +1,187 @@
+"""Wire schemas of the chat API (spec: "Chat request", "Chat response", 202, 422).
+
+These msgspec Structs are the single source of truth: `validate.py` checks request bodies against
+them (compiled by msgspec, no per-request schema interpretation) and `openapi.py` renders them as
+OpenAPI components, so the 422 errors and the published document cannot drift apart.
+
+Conventions: every optional field defaults to None (the gateway forwards what the client sent and
+does not inject the spec's documented defaults); the top-level request forbids unknown fields
+(spec: "declares no properties beyond those listed"), nested objects allow them (spec: message
+objects "may carry further properties"). msgspec drops those extras when converting, so handlers
+forward the client's original JSON, not a re-encoded Struct.
+"""
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "AsyncAccepted",
+    "ChatMessage",
+    "ChatRequest",
+    "ChatResponse",
+    "ErrorBody",
+    "ErrorInfo",
+    "FunctionDefinition",
+    "FunctionName",
+    "ResponseFormat",
+    "StreamOptions",
+    "Tool",
+    "ToolChoice",
+    "ValidationErrorBody",
+    "ValidationErrorItem",
+]
+
+# Bounds straight from the spec's chat table / Limits table.
+Tokens = Annotated[int, Meta(ge=1, le=128_000)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+StopList = Annotated[list[str], Meta(max_length=4)]
+Role = Literal["system", "user", "assistant", "tool"]
+Mode = Literal["auto", "network", "direct"]
+JSONObject = dict[str, Any]
+
+
+class _Open(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Nested request object: extra properties are allowed (and ignored by the validator)."""
+
+
+class ChatMessage(_Open):
+    role: Annotated[Role, Meta(description="Author of the message")]
+    content: Annotated[
+        str | list[JSONObject] | None,
+        Meta(description="Text, or a list of content parts; required except on assistant "
+                         "messages that carry tool_calls"),
+    ] = None
+    tool_calls: Annotated[
+        list[JSONObject] | None, Meta(description="Tool calls made by the assistant")
+    ] = None
+    tool_call_id: Annotated[
+        str | None, Meta(description="The tool call a `tool` message answers (required there)")
+    ] = None
+    name: Annotated[str | None, Meta(description="Optional participant name")] = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["json_object", "text"]
+
+
+class FunctionDefinition(_Open):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    parameters: Annotated[
+        JSONObject | None, Meta(description="JSON Schema of the function's arguments")
+    ] = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Open):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class ToolChoice(_Open):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class StreamOptions(_Open):
+    include_usage: Annotated[
+        bool | None, Meta(description="Adds token usage to the stream")
+    ] = None
+
+
+class ChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Compat chat request; one field per row of the spec's chat table, in the table's order."""
+
+    model: Annotated[str, Meta(min_length=1, description="Model identifier, case-sensitive")]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, description="The conversation")]
+    max_completion_tokens: Annotated[
+        Tokens | None,
+        Meta(description="Preferred over max_tokens; counts reasoning tokens too"),
+    ] = None
+    max_tokens: Annotated[
+        Tokens | None,
+        Meta(description="Deprecated: use max_completion_tokens",
+             extra_json_schema={"deprecated": True}),
+    ] = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    stop: Annotated[str | StopList | None, Meta(description="Up to 4 stop sequences")] = None
+    stream: Annotated[
+        bool | None,
+        Meta(description="Server-Sent Events; direct mode only; not together with async"),
+    ] = None
+    response_format: ResponseFormat | None = None
+    seed: Annotated[int | None, Meta(description="Deterministic-output seed")] = None
+    n: Annotated[int, Meta(ge=1, le=10)] | None = None
+    logprobs: Annotated[bool | None, Meta(description="Return log probabilities")] = None
+    top_logprobs: Annotated[
+        Annotated[int, Meta(ge=0, le=20)] | None, Meta(description="Requires logprobs: true")
+    ] = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ToolChoice | None = None
+    stream_options: StreamOptions | None = None
+    store: Annotated[bool | None, Meta(description="Store the output for later use")] = None
+    user: Annotated[str | None, Meta(description="End-user id for abuse monitoring")] = None
+    chat_template_kwargs: Annotated[
+        JSONObject | None, Meta(description="Chat-template parameters, e.g. enable_thinking")
+    ] = None
+    mode: Annotated[Mode | None, Meta(description="Routing mode; absent means auto")] = None
+    async_: Annotated[
+        bool | None, Meta(description="Return a task handle (202) instead of the completion")
+    ] = msgspec.field(default=None, name="async")
+
+
+# ---- Response side: documentation only (the gateway relays upstream bytes, it does not
+# re-validate them), hence extra properties allowed everywhere.
+
+
+class ChatResponse(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    object: str = "chat.completion"
+    created: Annotated[int | None, Meta(description="Unix timestamp")] = None
+    model: str
+    choices: list[JSONObject]
+    usage: Annotated[JSONObject | None, Meta(description="Token usage statistics")] = None
+    system_fingerprint: str | None = None
+    task_id: Annotated[
+        str | None, Meta(description="`direct:<uuid>` or `network:<uuid>`")
+    ] = None
+    task_address: Annotated[
+        str | None, Meta(description="Redundant-execution address; network mode only")
+    ] = None
+    mode: Annotated[str | None, Meta(description="Execution mode used")] = None
+
+
+class AsyncAccepted(msgspec.Struct, kw_only=True):
+    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
+    status: str = "running"
+    poll_url: str
+    message: str
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    type: Annotated[str, Meta(description="Machine-readable error class, e.g. rate_limited")]
+    message: str
+
+
+class ValidationErrorItem(msgspec.Struct, kw_only=True):
+    loc: Annotated[list[str | int], Meta(description="Path of the fault, starting at 'body'")]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(msgspec.Struct, kw_only=True):
+    detail: list[ValidationErrorItem]
+    error: ErrorInfo
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    detail: str
+    error: ErrorInfo

@@ -1,0 +1,360 @@
+"""Per-app state and the request lifecycle shared by the TGI and vLLM simulators.
+
+Every inference route runs through `inference()`: it records the request for
+`/_sim/requests`, applies the `x-sim-*` faults, renders errors in the server's own envelope
+and turns a client disconnect into the "cancelled" outcome. Handlers only generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import math
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, TypeVar
+
+import orjson
+from aiohttp import web
+
+from proxy.simulators.faults import (
+    NO_FAULTS,
+    ClientGone,
+    FaultHeaderError,
+    Faults,
+    StreamEnded,
+    before_event,
+    before_response,
+    error_response,
+    pause,
+    tgi_error_type,
+)
+from proxy.simulators.textgen import Generation
+
+RECORDS_KEPT = 1000
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    models: tuple[str, ...]
+    ttft_ms: float = 0.0
+    tokens_per_s: float = 0.0  # 0: no pacing, tokens as fast as the socket takes them
+    max_concurrency: int = 128
+    startup_delay_s: float = 0.0
+    fail_generation: bool = False  # /health stays OK while every generation fails
+    default_completion_tokens: int = 16
+
+
+class Record:
+    """One inference request as `/_sim/requests` shows it; the body is parsed only on read."""
+
+    __slots__ = ("body", "headers", "outcome", "path")
+
+    def __init__(self, path: str, headers: Mapping[str, str]) -> None:
+        self.path = path
+        self.headers = headers
+        self.body = b""
+        self.outcome: str | None = None  # null while in flight
+
+    def as_json(self) -> dict[str, object]:
+        try:
+            body = orjson.loads(self.body) if self.body else None
+        except orjson.JSONDecodeError:
+            body = None
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        return {"path": self.path, "headers": headers, "body": body, "outcome": self.outcome}
+
+
+class SimState:
+    """Counters and the request log of one simulated server."""
+
+    def __init__(self, kind: str, config: SimConfig) -> None:
+        self.kind = kind
+        self.config = config
+        self.healthy = True
+        self.records: deque[Record] = deque(maxlen=RECORDS_KEPT)
+        self.in_flight = self.total = self.cancelled = 0
+        self.running = self.waiting = self.successes = 0
+        self.failures: Counter[str] = Counter()  # TGI error_type, "dropped" or "incomplete"
+        self.finished: Counter[tuple[str, str]] = Counter()  # (model, stop|length|abort)
+        self.prompt_tokens: Counter[str] = Counter()
+        self.generation_tokens: Counter[str] = Counter()
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+
+    def reset(self) -> None:
+        self.records.clear()
+        self.total = self.cancelled = 0
+
+    async def acquire(self, queue: bool) -> bool:
+        """Take a generation slot; vLLM queues when all are busy, TGI answers overloaded."""
+        if self._slots.locked() and not queue:
+            return False
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        return True
+
+    def release(self) -> None:
+        self.running -= 1
+        self._slots.release()
+
+
+STATE = web.AppKey("sim_state", SimState)
+
+
+class HttpError(Exception):
+    """Answered with the server's own JSON error envelope."""
+
+    def __init__(self, status: int, message: str, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.error_type = status, message, error_type
+
+
+class BadRequest(Exception):
+    """Invalid request. `level`: unparsable JSON, wrong JSON types, or bad values.
+
+    TGI rejects the first two in axum with plain text (400 / 422) and bad values with a
+    JSON 422 `validation` error; vLLM answers 400 `BadRequestError` for all three.
+    """
+
+    def __init__(self, message: str, level: Literal["syntax", "type", "value"]) -> None:
+        super().__init__(message)
+        self.message, self.level = message, level
+
+
+def bad_request_response(kind: str, exc: BadRequest) -> web.Response:
+    if kind != "tgi":
+        return error_response(kind, 400, exc.message)
+    if exc.level == "syntax":
+        return web.Response(status=400, text=f"Failed to parse the request body as JSON: {exc}")
+    if exc.level == "type":
+        text = f"Failed to deserialize the JSON body into the target type: {exc}"
+        return web.Response(status=422, text=text)
+    return error_response(kind, 422, f"Input validation error: {exc}", "validation")
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(str(exc), "syntax") from None
+    if not isinstance(body, dict):
+        raise BadRequest("expected a JSON object", "type")
+    return body
+
+
+def opt(body: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
+    """`body[key]` if present and of type `kind` (null counts as absent); bools are not ints."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise BadRequest(f"{key}: invalid type, expected {kind.__name__}", "type")
+
+
+def json_response(
+    data: object, *, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(data), content_type="application/json", headers=headers
+    )
+
+
+class Exchange:
+    """One inference request moving through a simulator."""
+
+    def __init__(self, request: web.Request, state: SimState) -> None:
+        self.request = request
+        self.state = state
+        self.config = state.config
+        self.record = Record(request.path, request.headers)
+        self.faults = NO_FAULTS
+        self.outcome: str | None = None
+        self.error_type: str | None = None
+        self.stream: web.StreamResponse | None = None
+        self.model = ""
+        self.prompt_tokens = 0
+        self.generations: list[Generation] = []
+        self.holds_slot = False
+
+    @property
+    def natural_tokens(self) -> int:
+        tokens = self.faults.tokens
+        return self.config.default_completion_tokens if tokens is None else tokens
+
+    async def admit(self) -> bool:
+        self.holds_slot = await self.state.acquire(queue=self.state.kind == "vllm")
+        return self.holds_slot
+
+    def pacer(self) -> Pacer:
+        return Pacer(self.request, self.config)
+
+
+class Pacer:
+    """Token timing: `ttft_ms` before the first token, then one every 1/`tokens_per_s`."""
+
+    def __init__(self, request: web.BaseRequest, config: SimConfig) -> None:
+        self._request = request
+        self._loop = asyncio.get_running_loop()
+        self._due = self._loop.time() + config.ttft_ms / 1000
+        self._interval = 1 / config.tokens_per_s if config.tokens_per_s > 0 else 0.0
+
+    async def step(self) -> None:
+        """Wait until the next token is due."""
+        delay = self._due - self._loop.time()
+        self._due += self._interval
+        if delay > 0:
+            await pause(self._request, delay)
+
+    async def whole(self, tokens: int) -> None:
+        """Non-stream: wait until `tokens` tokens would have been generated."""
+        self._due += max(tokens - 1, 0) * self._interval
+        await self.step()
+
+
+ErrorEvents = Callable[[str, str], Sequence[bytes]]  # (message, error_type) -> SSE payloads
+
+
+class EventWriter:
+    """Writes SSE events in one dialect's framing, applying the stream faults."""
+
+    def __init__(self, ex: Exchange, prefix: bytes, error_events: ErrorEvents) -> None:
+        self._ex = ex
+        self._prefix = prefix
+        self._error_events = error_events
+        self._response = web.StreamResponse()
+        self.sent = 0
+
+    async def open(self, headers: Mapping[str, str]) -> None:
+        self._response.headers.update(headers)
+        self._ex.stream = self._response
+        await self._response.prepare(self._ex.request)
+
+    async def send(self, payload: bytes) -> None:
+        ex = self._ex
+        if await before_event(ex.request, ex.faults, self.sent):
+            await self.fail(f"simulated error after {self.sent} events", "generation")
+        await self._response.write(self._prefix + payload + b"\n\n")
+        self.sent += 1
+
+    async def fail(self, message: str, error_type: str) -> NoReturn:
+        """Emit the server's in-band error event(s) and end the stream."""
+        for payload in self._error_events(message, error_type):
+            await self._response.write(self._prefix + payload + b"\n\n")
+        self._ex.error_type = error_type
+        raise StreamEnded("error")
+
+
+Handler = Callable[[Exchange], Awaitable[web.StreamResponse]]
+
+
+def inference(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Wrap an inference handler with recording, faults, error rendering and accounting."""
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        ex = Exchange(request, state)
+        state.records.append(ex.record)
+        state.in_flight += 1
+        state.total += 1
+        try:
+            return await _run(ex, handler)
+        except asyncio.CancelledError:
+            ex.outcome = "cancelled"
+            raise
+        finally:
+            _settle(state, ex)
+
+    return route
+
+
+async def _run(ex: Exchange, handler: Handler) -> web.StreamResponse:
+    kind = ex.state.kind
+    try:
+        ex.record.body = await ex.request.read()
+        ex.faults = Faults.from_headers(ex.request.headers)
+        response = await before_response(ex.request, ex.faults, kind) or await handler(ex)
+        if not response.prepared and ex.faults.hang_after == 0:
+            await pause(ex.request, math.inf)
+    except FaultHeaderError as exc:
+        response = web.Response(status=400, text=str(exc))
+    except BadRequest as exc:
+        response = bad_request_response(kind, exc)
+    except HttpError as exc:
+        ex.error_type = exc.error_type
+        response = error_response(kind, exc.status, exc.message, exc.error_type)
+    except StreamEnded as end:
+        ex.outcome = end.outcome
+        return ex.stream or web.Response()
+    except (ClientGone, ConnectionError):
+        ex.outcome = "cancelled"
+        return ex.stream or web.Response()
+    if ex.faults.gzip and isinstance(response, web.Response) and not response.prepared:
+        assert isinstance(response.body, bytes)
+        response.body = gzip.compress(response.body, compresslevel=1)
+        response.headers["Content-Encoding"] = "gzip"
+    if response.status >= 400:
+        ex.outcome = "error"
+        ex.error_type = ex.error_type or tgi_error_type(response.status)
+    else:
+        ex.outcome = "completed"
+    return response
+
+
+def _settle(state: SimState, ex: Exchange) -> None:
+    outcome = ex.record.outcome = ex.outcome or "error"
+    state.in_flight -= 1
+    if ex.holds_slot:
+        state.release()
+    if outcome == "completed":
+        state.successes += 1
+        state.prompt_tokens[ex.model] += ex.prompt_tokens
+        for generation in ex.generations:
+            reason = "length" if generation.finish == "length" else "stop"
+            state.finished[ex.model, reason] += 1
+            state.generation_tokens[ex.model] += generation.completion_tokens
+    elif outcome == "cancelled":
+        state.cancelled += 1
+        state.failures["dropped"] += 1
+        if ex.model:
+            state.finished[ex.model, "abort"] += 1
+    elif outcome == "cut":
+        state.failures["incomplete"] += 1
+    else:
+        state.failures[ex.error_type or "generation"] += 1
+
+
+async def _requests(request: web.Request) -> web.Response:
+    return json_response([record.as_json() for record in request.app[STATE].records])
+
+
+async def _stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return json_response(
+        {"in_flight": state.in_flight, "total": state.total, "cancelled": state.cancelled}
+    )
+
+
+async def _reset(request: web.Request) -> web.Response:
+    request.app[STATE].reset()
+    return web.Response(status=204)
+
+
+async def _health(request: web.Request) -> web.Response:
+    """`{"healthy": false}` makes /health fail (the only way to see TGI's 503 body)."""
+    body = json_object(await request.read()) if request.can_read_body else {}
+    request.app[STATE].healthy = bool(body.get("healthy", True))
+    return web.Response(status=204)
+
+
+def add_sim_routes(app: web.Application) -> None:
+    app.router.add_get("/_sim/requests", _requests)
+    app.router.add_get("/_sim/stats", _stats)
+    app.router.add_post("/_sim/reset", _reset)
+    app.router.add_post("/_sim/health", _health)

@@ -1,0 +1,1 @@
+"""Translation between API styles and upstream dialects (pure)."""

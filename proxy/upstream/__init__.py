@@ -1,0 +1,1 @@
+"""Upstream servers: backend pools, picking, and the pooled HTTP client."""

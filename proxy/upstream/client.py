@@ -1,0 +1,182 @@
+"""The pooled keep-alive HTTP client to upstream servers, its timeouts and failure mapping.
+
+Timeouts are separate, as a streaming proxy needs: connect; first byte (headers and then the first
+body bytes: covers queueing and prefill); idle gap between body chunks once data flows. Failures
+before any response byte are `UpstreamFailure`s that say whether another backend may be tried
+(refused connection, 429, 503); everything maps to 502/503/504 with a public message, never the
+upstream's exception text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+
+import aiohttp
+import orjson
+
+from proxy.config import UpstreamSection
+from proxy.errors import ErrorKind, GatewayError
+from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
+
+_ERROR_BODY_LIMIT = 64 * 1024
+_MESSAGE_LIMIT = 300
+
+
+class UpstreamFailure(GatewayError):
+    """The upstream failed before sending a usable response; `retryable` if nothing was started."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, retryable: bool,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(kind, message, headers=headers)
+        self.retryable = retryable
+
+
+class Upstreams:
+    """One ClientSession per worker process, shared by every backend (keep-alive pooling)."""
+
+    def __init__(self, settings: UpstreamSection) -> None:
+        self.settings = settings
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
+            # The read timeout is first_byte until data flows, then idle (see `exchange`).
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=settings.connect_timeout_s,
+                sock_read=settings.first_byte_timeout_s,
+            ),
+            skip_auto_headers=("User-Agent",),
+            trust_env=False,
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    @asynccontextmanager
+    async def call(
+        self,
+        pool: Pool,
+        path: str,
+        body_for: Callable[[Backend], bytes],
+        headers: Mapping[str, str],
+        client_headers: Mapping[str, str],
+    ) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
+        """`exchange` with a backend picked from `pool`, retried once on another backend.
+
+        Only a failure before any response byte that left nothing started (refused or reset
+        connection, 429, 503) is retried; once the caller holds a response, never.
+        """
+        backend = pool.pick()
+        retried = False
+        while True:
+            sent = {**headers, **backend.forward.select(client_headers), **backend.auth}
+            holding = False
+            try:
+                async with self.exchange(backend, path, body_for(backend), sent) as response:
+                    holding = True
+                    yield backend, response
+                return
+            except UpstreamFailure as failure:
+                if holding or retried or not failure.retryable:
+                    raise
+                try:
+                    backend = pool.pick(exclude=backend)
+                except GatewayError:
+                    raise failure from None
+                retried = True
+
+    @asynccontextmanager
+    async def exchange(
+        self, backend: Backend, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST `body` to `backend`; yield a 2xx response whose body is still unread.
+
+        The backend counts the request as outstanding until the block exits, and leaving the block
+        (normally, by error or by cancellation when the client goes away) closes the upstream
+        request, which is the only cancellation signal inference servers understand.
+        """
+        backend.outstanding += 1
+        try:
+            try:
+                response = await self.session.post(
+                    backend.base_url + path, data=body, headers=headers, allow_redirects=False
+                )
+            except aiohttp.ClientConnectorError:
+                raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
+                                      f"backend {backend.name!r} is unreachable",
+                                      retryable=True) from None
+            except (aiohttp.ServerTimeoutError, TimeoutError):
+                raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
+                                      f"backend {backend.name!r} did not answer in time",
+                                      retryable=False) from None
+            except aiohttp.ServerDisconnectedError:
+                # Closed before any response byte: nothing was generated for this request.
+                raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
+                                      f"backend {backend.name!r} closed the connection",
+                                      retryable=True) from None
+            except aiohttp.ClientError:
+                raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
+                                      f"backend {backend.name!r} sent an unusable response",
+                                      retryable=False) from None
+            try:
+                if response.status >= 400:
+                    raise await _failure_from(backend, response)
+                protocol = response.connection.protocol if response.connection else None
+                if protocol is not None:
+                    # Applies from the next body chunk on: gaps after data started are idle gaps.
+                    protocol.read_timeout = self.settings.idle_timeout_s
+                yield response
+            except BaseException:
+                # An unfinished body: drop the connection so the upstream stops generating.
+                response.close()
+                raise
+            finally:
+                response.release()
+        finally:
+            backend.outstanding -= 1
+
+
+async def _failure_from(backend: Backend, response: aiohttp.ClientResponse) -> UpstreamFailure:
+    """Map an upstream error status to ours; keep the upstream's message only for client faults."""
+    status = response.status
+    try:
+        raw = await asyncio.wait_for(response.content.read(_ERROR_BODY_LIMIT), 5)
+    except (aiohttp.ClientError, TimeoutError):
+        raw = b""
+    name = backend.name
+    if status in (400, 413, 422):
+        detail = upstream_message(raw)
+        text = f"the model server rejected the request: {detail}" if detail else \
+            "the model server rejected the request"
+        return UpstreamFailure(ErrorKind.INVALID_REQUEST, text, retryable=False)
+    if status in (429, 503):
+        retry_after = response.headers.get("Retry-After", "")
+        return UpstreamFailure(
+            ErrorKind.UNAVAILABLE, f"backend {name!r} is overloaded", retryable=True,
+            headers={"Retry-After": retry_after if retry_after.isdigit() else RETRY_AFTER_S},
+        )
+    if status == 504:
+        return UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT, f"backend {name!r} timed out",
+                               retryable=False)
+    return UpstreamFailure(ErrorKind.UPSTREAM_ERROR, f"backend {name!r} failed (HTTP {status})",
+                           retryable=False)
+
+
+def upstream_message(raw: bytes) -> str:
+    """The human message inside a TGI, vLLM, OpenAI or Ollama error body, shortened."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return ""
+    message: object = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            message = error.get("message")
+        elif isinstance(error, str):
+            message = error
+        else:
+            message = body.get("message")
+    if not isinstance(message, str):
+        return ""
+    return message[:_MESSAGE_LIMIT]

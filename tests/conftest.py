@@ -1,0 +1,111 @@
+"""Shared fixtures: a real redis-server, real simulator servers, the gateway on loopback."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.app import build_app
+from proxy.config import load_config
+from proxy.redis_process import RedisProcess
+from proxy.simulators import SimConfig
+from proxy.simulators import build_app as build_simulator
+
+MODEL = "acme/small-chat"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """One real redis-server for the session (tests that kill Redis start their own)."""
+    proc = RedisProcess(tmp_path_factory.mktemp("redis"), port=free_port(), fsync="everysec")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def write_config(
+    folder: Path,
+    backends: list[dict[str, Any]],
+    *,
+    upstream: dict[str, Any] | None = None,
+    gateway: dict[str, Any] | None = None,
+    policies: dict[str, str] | None = None,
+) -> Path:
+    """A config folder as an operator writes it: backends.toml plus policies/*.toml."""
+    lines = ["[gateway]"] + [f"{k} = {toml_value(v)}" for k, v in (gateway or {}).items()]
+    lines += ["", "[upstream]"] + [f"{k} = {toml_value(v)}" for k, v in (upstream or {}).items()]
+    for backend in backends:
+        lines += ["", "[[backends]]"] + [f"{k} = {toml_value(v)}" for k, v in backend.items()]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "backends.toml").write_text("\n".join(lines) + "\n")
+    (folder / "policies").mkdir(exist_ok=True)
+    for name, text in (policies or {}).items():
+        (folder / "policies" / name).write_text(text)
+    return folder
+
+
+SimulatorFactory = Callable[..., Awaitable[TestServer]]
+GatewayFactory = Callable[..., Awaitable[TestServer]]
+
+
+@pytest.fixture
+async def simulator(aiohttp_server: Any) -> AsyncIterator[SimulatorFactory]:
+    async def start(kind: str = "vllm", models: tuple[str, ...] = (MODEL,), **options: Any
+                    ) -> TestServer:
+        server: TestServer = await aiohttp_server(
+            build_simulator(kind, SimConfig(models=models, **options))
+        )
+        return server
+
+    yield start
+
+
+@pytest.fixture
+async def gateway(
+    aiohttp_server: Any, tmp_path: Path, redis_server: RedisProcess
+) -> AsyncIterator[GatewayFactory]:
+    """Start a gateway whose backends.toml lists the given upstream servers."""
+
+    async def start(*upstreams: TestServer | dict[str, Any], kind: str = "vllm",
+                    upstream: dict[str, Any] | None = None,
+                    policies: dict[str, str] | None = None) -> TestServer:
+        backends = []
+        for i, up in enumerate(upstreams):
+            if isinstance(up, dict):
+                backends.append(up)
+                continue
+            backends.append({
+                "name": f"b{i}", "kind": kind, "url": str(up.make_url("/")).rstrip("/"),
+                "models": [MODEL], "forward_headers": ["x-sim-*"],
+            })
+        folder = write_config(tmp_path / "config", backends, upstream=upstream, policies=policies)
+        app: web.Application = build_app(load_config(folder), redis_url=redis_server.url)
+        server: TestServer = await aiohttp_server(app, handler_cancellation=True)
+        return server
+
+    yield start

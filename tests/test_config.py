@@ -1,0 +1,104 @@
+"""Config loading: strict, every error named by file and key, shipped files valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import main
+from proxy.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MINIMAL = """
+[gateway]
+host = "127.0.0.1"
+port = 8080
+
+[[backends]]
+name = "chat-a"
+kind = "tgi"
+url = "http://127.0.0.1:8081"
+models = ["acme/small-chat"]
+"""
+
+
+def write(folder: Path, backends: str, **policies: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "backends.toml").write_text(backends)
+    if policies:
+        (folder / "policies").mkdir(exist_ok=True)
+        for name, text in policies.items():
+            (folder / "policies" / f"{name}.toml").write_text(text)
+    return folder
+
+
+def test_design_minimal_backends_toml_loads(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.gateway.port == 8080
+    assert config.backends[0].kind == "tgi"
+    assert config.backends[0].models == ["acme/small-chat"]
+    assert config.upstream.idle_timeout_s == 60.0
+    assert config.policies.requests.chat.max_body_bytes == 1024 * 1024
+
+
+def test_shipped_config_is_valid() -> None:
+    config = load_config(ROOT)
+    assert config.backends, "the shipped backends.toml must declare a backend"
+
+
+def test_every_error_is_reported_with_file_and_key(tmp_path: Path) -> None:
+    bad = MINIMAL.replace('models = ["acme/small-chat"]', 'modles = ["x"]\nweight = 0') + """
+[[backends]]
+name = "chat-a"
+kind = "gpu"
+url = "ftp://somewhere"
+models = ["m"]
+forward_headers = ["Authorization"]
+"""
+    folder = write(tmp_path, bad, requests="[chat]\nmax_body_bytes = 'big'\n", nonsense="x = 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(folder)
+    problems = caught.value.problems
+    text = "\n".join(problems)
+    assert "backends.toml: backends[0].modles: Extra inputs are not permitted" in text
+    assert "backends.toml: backends[0].models: Field required" in text
+    assert "backends.toml: backends[0].weight: Input should be greater than or equal to 1" in text
+    assert "backends.toml: backends[1].kind: Input should be" in text
+    assert "policies/requests.toml: chat.max_body_bytes: Input should be a valid integer" in text
+    assert "policies/nonsense.toml: unknown policy file" in text
+
+
+def test_semantic_errors(tmp_path: Path) -> None:
+    bad = MINIMAL + """
+[[backends]]
+name = "chat-a"
+kind = "vllm"
+url = "ftp://somewhere"
+models = ["m"]
+forward_headers = ["Authorization", "x-sim-*"]
+"""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, bad))
+    text = "\n".join(caught.value.problems)
+    assert "backends[1].name: duplicate backend name 'chat-a'" in text
+    assert "backends[1].url: must be an http:// or https:// URL" in text
+    assert "backends[1].forward_headers: 'Authorization' may never be forwarded" in text
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"backends\.toml: file not found"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"backends\.toml: not valid TOML"):
+        load_config(write(tmp_path, "[gateway\n"))
+
+
+def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write(tmp_path / "good", MINIMAL)
+    assert main(["check-config", "--config", str(good)]) == 0
+    assert "ok: 1 backend(s)" in capsys.readouterr().out
+    bad = write(tmp_path / "bad", MINIMAL + "\n[surprise]\nx = 1\n")
+    assert main(["check-config", "--config", str(bad)]) == 1
+    assert "config error: backends.toml: surprise: Extra inputs are not permitted" in (
+        capsys.readouterr().err)

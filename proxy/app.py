@@ -7,14 +7,30 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 from redis.asyncio import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
-from proxy import __version__, pipeline
+from proxy import pipeline
 from proxy.appkeys import CONFIG, OPENAPI, REDIS, ROUTER, UPSTREAMS
 from proxy.config import Config
 from proxy.middleware import gateway_middleware
 from proxy.openapi import CHAT_OPERATIONS, build_openapi
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
+
+
+API_VERSION = "2.0.0"  # the interface version (spec, Versioning); every path begins with /v2
+
+
+def connect_redis(url: str) -> Redis:
+    """A pooled client that retries a command once the connection drops (Redis restarted)."""
+    return Redis.from_url(
+        url, socket_timeout=2.0, socket_connect_timeout=2.0,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
 
 
 def build_app(config: Config, *, redis_url: str) -> web.Application:
@@ -26,11 +42,11 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends)
     app[OPENAPI] = orjson.dumps(
-        build_openapi(CHAT_OPERATIONS, title="Inference Gateway", version=__version__)
+        build_openapi(CHAT_OPERATIONS, title="Inference Gateway", version=API_VERSION)
     )
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[REDIS] = Redis.from_url(redis_url)
+        app[REDIS] = connect_redis(redis_url)
         yield
         await app[REDIS].aclose()
 

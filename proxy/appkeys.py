@@ -15,5 +15,5 @@ UPSTREAMS = web.AppKey("upstreams", Upstreams)
 REDIS = web.AppKey("redis", Redis)
 OPENAPI = web.AppKey("openapi", bytes)
 
-# Per-request values (request[...]): set by the middleware.
-REQUEST_ID = "request_id"
+# Per-request values (request[...]).
+REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware

@@ -33,7 +33,7 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Base for every config table: immutable, keyword-only, unknown keys refused."""
 
 
-class GatewaySection(_Section):
+class GatewaySection(_Section, frozen=True):
     host: str = "127.0.0.1"
     port: Port = 8080
     # Unset: `serve` starts an embedded redis-server under data_dir (GATEWAY_REDIS_URL overrides).
@@ -42,7 +42,7 @@ class GatewaySection(_Section):
     data_dir: str = ".gateway"
 
 
-class UpstreamSection(_Section):
+class UpstreamSection(_Section, frozen=True):
     connect_timeout_s: Seconds = 5.0
     # Until the first byte of the body: covers queueing and prefill (and, for a non-streaming
     # request, the whole generation, since those servers answer only when done).
@@ -51,7 +51,7 @@ class UpstreamSection(_Section):
     idle_timeout_s: Seconds = 60.0
 
 
-class BackendSpec(_Section):
+class BackendSpec(_Section, frozen=True):
     name: NonEmpty
     kind: BackendKind
     url: NonEmpty
@@ -65,31 +65,130 @@ class BackendSpec(_Section):
     api_key_env: str | None = None
 
 
-class BackendsFile(_Section):
+class BackendsFile(_Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
     upstream: UpstreamSection = UpstreamSection()
     backends: list[BackendSpec] = []
 
 
-class ChatRequestPolicy(_Section):
+class ChatRequestPolicy(_Section, frozen=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
 
 
-class RequestsPolicy(_Section):
+class RequestsPolicy(_Section, frozen=True):
     """policies/requests.toml: caps on what a request may carry."""
 
     chat: ChatRequestPolicy = ChatRequestPolicy()
 
 
-class Policies(_Section):
+class KeysPolicy(_Section, frozen=True):
+    # Keys look like `<prefix>_sk_<random><checksum>`; the prefix makes leaked keys easy to scan.
+    prefix: Annotated[str, msgspec.Meta(pattern="^[a-z][a-z0-9]{1,15}$")] = "igw"
+    # How long a worker trusts its cached copy of a key record; revocations are pushed at once.
+    cache_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
+
+
+class JwtPolicy(_Section, frozen=True):
+    """Signed bearer tokens. Off unless `algorithms` is set; the algorithms are pinned here."""
+
+    algorithms: list[Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "ES256",
+                             "ES384", "PS256"]] = []
+    secret_env: str | None = None  # HS*: environment variable holding the shared secret
+    public_key_file: str | None = None  # RS*/ES*/PS*: PEM file (relative to the config folder)
+    jwks_file: str | None = None  # RS*/ES*/PS*: a JWKS file; the token's `kid` picks the key
+    issuer: str | None = None
+    audience: str | None = None
+    leeway_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 30.0
+    account_claim: str = "sub"
+    tier_claim: str = "tier"
+    role_claim: str = "role"
+
+
+class ClientsPolicy(_Section, frozen=True):
+    # X-Forwarded-For is believed only when the connection comes from one of these networks.
+    trusted_proxies: list[str] = []
+
+
+class AuthPolicy(_Section, frozen=True):
+    """policies/auth.toml: API keys, JWT bearer tokens, how guests are told apart."""
+
+    keys: KeysPolicy = KeysPolicy()
+    jwt: JwtPolicy = JwtPolicy()
+    clients: ClientsPolicy = ClientsPolicy()
+
+
+Mode = Literal["direct", "network"]
+Family = Literal["chat", "tts", "asr", "image", "video"]
+PerMinute = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+STANDARD_GROUP = "standard"  # the group of every model no `[groups]` entry names
+ANY_GROUP = "*"
+
+
+class TierPolicy(_Section, frozen=True):
+    requests_per_minute: PerMinute
+    families: list[Family]
+    # model group (or "*") -> the modes this tier may use its models in
+    models: dict[str, list[Mode]]
+    # Largest completion a request may ask for; a request that names none gets this as its cap.
+    max_tokens_per_request: Annotated[int, msgspec.Meta(ge=1, le=128_000)] | None = None
+    # When Redis is unreachable: "open" admits up to the per-process fallback rate, "closed"
+    # answers 503 with Retry-After.
+    store_down: Literal["open", "closed"] = "open"
+    fallback_requests_per_minute: PerMinute = 5
+
+
+_ALL_FAMILIES: list[Family] = ["chat", "tts", "asr", "image", "video"]
+_BOTH_MODES: list[Mode] = ["direct", "network"]
+
+
+def _default_tiers() -> dict[str, TierPolicy]:
+    """DESIGN.md §6: the spec's tier table, and guests on every model at a strict rate."""
+    basic: dict[str, list[Mode]] = {STANDARD_GROUP: _BOTH_MODES}
+    pro: dict[str, list[Mode]] = {**basic, "large-chat": ["direct"]}
+    return {
+        "guest": TierPolicy(requests_per_minute=3, families=_ALL_FAMILIES,
+                            models={ANY_GROUP: _BOTH_MODES}, max_tokens_per_request=512,
+                            fallback_requests_per_minute=1),
+        "basic": TierPolicy(requests_per_minute=20, families=["chat", "tts", "asr"],
+                            models=basic),
+        "pro": TierPolicy(requests_per_minute=60, families=["chat", "tts", "asr", "image"],
+                          models=pro),
+        "max": TierPolicy(requests_per_minute=130, families=_ALL_FAMILIES,
+                          models={**pro, "large-chat": _BOTH_MODES}),
+    }
+
+
+class TiersPolicy(_Section, frozen=True):
+    """policies/tiers.toml: what each tier may do, and how fast."""
+
+    # group name -> models in it; a model in no group is in "standard".
+    groups: dict[str, list[NonEmpty]] = msgspec.field(
+        default_factory=lambda: {"large-chat": ["acme/gpt-oss-120b"]}
+    )
+    tiers: dict[str, TierPolicy] = msgspec.field(default_factory=_default_tiers)
+
+    def group_of(self, model: str) -> str:
+        for group, models in self.groups.items():
+            if model in models:
+                return group
+        return STANDARD_GROUP
+
+
+class Policies(_Section, frozen=True):
     requests: RequestsPolicy = RequestsPolicy()
+    auth: AuthPolicy = AuthPolicy()
+    tiers: TiersPolicy = TiersPolicy()
 
 
 # policies/<name>.toml -> the field of `Policies` it fills.
-POLICY_FILES: dict[str, type[msgspec.Struct]] = {"requests.toml": RequestsPolicy}
+POLICY_FILES: dict[str, type[msgspec.Struct]] = {
+    "requests.toml": RequestsPolicy,
+    "auth.toml": AuthPolicy,
+    "tiers.toml": TiersPolicy,
+}
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     root: str
     gateway: GatewaySection
     upstream: UpstreamSection
@@ -136,6 +235,8 @@ def load_config(folder: str | Path = ".") -> Config:
             if loaded is not None:
                 policies[path.stem] = loaded
 
+    if "tiers" in policies:
+        problems.extend(_check_tiers(policies["tiers"]))
     if problems or backends is None:
         raise ConfigError(problems)
     return Config(
@@ -196,3 +297,24 @@ def _check_backends(file: BackendsFile) -> list[str]:
                 problems.append(f"{where}.forward_headers: {name!r} may never be forwarded")
     return problems
 
+
+
+def _check_tiers(tiers: TiersPolicy) -> list[str]:
+    where = "policies/tiers.toml"
+    problems: list[str] = []
+    if "guest" not in tiers.tiers:
+        problems.append(f"{where}: tiers.guest: the guest tier is required (callers without keys)")
+    known = set(tiers.groups) | {STANDARD_GROUP, ANY_GROUP}
+    for name, tier in tiers.tiers.items():
+        for group in tier.models:
+            if group not in known:
+                problems.append(f"{where}: tiers.{name}.models.{group}: unknown model group")
+    owner: dict[str, str] = {}
+    for group, models in tiers.groups.items():
+        if group in (STANDARD_GROUP, ANY_GROUP):
+            problems.append(f"{where}: groups.{group}: reserved group name")
+        for model in models:
+            if model in owner:
+                problems.append(f"{where}: groups.{group}: {model!r} is already in {owner[model]!r}")
+            owner[model] = group
+    return problems

@@ -6,6 +6,7 @@ import logging
 import uuid
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from proxy.appkeys import REQUEST_ID
 from proxy.errors import ErrorKind, GatewayError
@@ -22,7 +23,7 @@ _HTTP_KINDS = {
 
 
 @web.middleware
-async def gateway_middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request_id_from(request.headers.get("X-Request-Id"), uuid.uuid4().hex)
     request[REQUEST_ID] = request_id
     try:

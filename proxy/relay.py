@@ -86,8 +86,8 @@ async def relay_sse(
     except ClientGone:
         return response, StreamResult("client_gone")
 
-    if result.error is not None and not response.prepared:
-        raise result.error
+    if result.error is not None and not response.prepared and not pending:
+        raise result.error  # nothing owed to the client yet: a real HTTP status
     tail = pending
     if result.error is not None:
         tail.append(result.error.sse_event())

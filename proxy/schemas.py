@@ -67,7 +67,7 @@ class ResponseFormat(_Open):
 
 
 class FunctionDefinition(_Open):
-    name: Annotated[str, Meta(min_length=1)]
+    name: str
     description: str | None = None
     parameters: Annotated[
         JSONObject | None, Meta(description="JSON Schema of the function's arguments")
@@ -80,7 +80,7 @@ class Tool(_Open):
 
 
 class FunctionName(_Open):
-    name: Annotated[str, Meta(min_length=1)]
+    name: str
 
 
 class ToolChoice(_Open):

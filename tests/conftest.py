@@ -105,7 +105,7 @@ async def gateway(
             })
         folder = write_config(tmp_path / "config", backends, upstream=upstream, policies=policies)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url)
-        server: TestServer = await aiohttp_server(app, handler_cancellation=True)
+        server: TestServer = await aiohttp_server(app)  # handler_cancellation is on, as in serve
         return server
 
     yield start

@@ -10,7 +10,8 @@ role chunk, usage chunk and `[DONE]` included; a stream with fewer events never 
 | `x-sim-retry-after: S`| with `x-sim-status`: also send `Retry-After: S`                     |
 | `x-sim-delay-ms: N`   | wait N ms before sending response headers                           |
 | `x-sim-refuse: 1`     | drop the TCP connection without any response                        |
-| `x-sim-hang-after: N` | streams: stop after N events until the client leaves; non-stream N=0: never answer |
+| `x-sim-hang-after: N` | streams: go silent after N events until the client leaves;          |
+|                       | non-stream N=0: never answer                                        |
 | `x-sim-cut-after: N`  | streams: after N events close the connection (no terminator)       |
 | `x-sim-error-after: N`| streams: after N events send the server's in-band error event      |
 | `x-sim-gzip: 1`       | non-stream responses are gzip-encoded (`Content-Encoding: gzip`)    |
@@ -29,6 +30,7 @@ import orjson
 from aiohttp import web
 
 _POLL_S = 0.05  # how often a sleeping handler checks that its client is still there
+_MAX_SIM_TOKENS = 1_000_000  # x-sim-tokens: keeps a typo from allocating gigabytes
 
 
 class ClientGone(Exception):
@@ -95,7 +97,17 @@ class Faults:
     tokens: int | None = None
 
     @classmethod
+    def of(cls, request: web.BaseRequest) -> Faults:
+        """The request's faults; one scan of the raw header names when there are none."""
+        if any(name[:6].lower() == b"x-sim-" for name, _ in request.raw_headers):
+            return cls.from_headers(request.headers)
+        return NO_FAULTS
+
+    @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> Faults:
+        tokens = _int(headers, "x-sim-tokens")
+        if tokens is not None and tokens > _MAX_SIM_TOKENS:
+            raise FaultHeaderError(f"x-sim-tokens: at most {_MAX_SIM_TOKENS}, got {tokens}")
         status = _int(headers, "x-sim-status")
         if status is not None and not 400 <= status <= 599:
             raise FaultHeaderError(f"x-sim-status: expected 400-599, got {status}")
@@ -108,7 +120,7 @@ class Faults:
             cut_after=_int(headers, "x-sim-cut-after"),
             error_after=_int(headers, "x-sim-error-after"),
             gzip=_flag(headers, "x-sim-gzip"),
-            tokens=_int(headers, "x-sim-tokens"),
+            tokens=tokens,
         )
 
 
@@ -146,7 +158,7 @@ def error_response(
     if kind == "tgi":
         error_type = error_type or tgi_error_type(status)
         message = message or _TGI_TYPES.get(status, (error_type, f"simulated {status}"))[1]
-        body = {"error": message, "error_type": error_type}
+        body: dict[str, object] = {"error": message, "error_type": error_type}
     else:
         phrase = _phrase(status)
         error_type = error_type or _VLLM_TYPES.get(status) or phrase or "Error"

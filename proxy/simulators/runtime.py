@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from proxy.simulators.faults import (
     pause,
     tgi_error_type,
 )
-from proxy.simulators.textgen import Generation
+from proxy.simulators.textgen import LENGTH, Generation
 
 RECORDS_KEPT = 1000
 T = TypeVar("T")
@@ -76,6 +77,7 @@ class SimState:
         self.healthy = True
         self.records: deque[Record] = deque(maxlen=RECORDS_KEPT)
         self.in_flight = self.total = self.cancelled = 0
+        self.requests = 0  # like `total`, but never reset: Prometheus counters only grow
         self.running = self.waiting = self.successes = 0
         self.failures: Counter[str] = Counter()  # TGI error_type, "dropped" or "incomplete"
         self.finished: Counter[tuple[str, str]] = Counter()  # (model, stop|length|abort)
@@ -178,8 +180,10 @@ class Exchange:
         self.outcome: str | None = None
         self.error_type: str | None = None
         self.stream: web.StreamResponse | None = None
+        self.started = time.monotonic()
         self.model = ""
         self.prompt_tokens = 0
+        self.prompt_chars = 0  # TGI's x-compute-characters
         self.generations: list[Generation] = []
         self.holds_slot = False
 
@@ -204,9 +208,12 @@ class Pacer:
         self._loop = asyncio.get_running_loop()
         self._due = self._loop.time() + config.ttft_ms / 1000
         self._interval = 1 / config.tokens_per_s if config.tokens_per_s > 0 else 0.0
+        self._instant = config.ttft_ms <= 0 and self._interval == 0  # the benchmark setting
 
     async def step(self) -> None:
         """Wait until the next token is due."""
+        if self._instant:
+            return
         delay = self._due - self._loop.time()
         self._due += self._interval
         if delay > 0:
@@ -230,6 +237,10 @@ class EventWriter:
         self._error_events = error_events
         self._response = web.StreamResponse()
         self.sent = 0
+
+    @property
+    def response(self) -> web.StreamResponse:
+        return self._response
 
     async def open(self, headers: Mapping[str, str]) -> None:
         self._response.headers.update(headers)
@@ -263,6 +274,7 @@ def inference(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamR
         state.records.append(ex.record)
         state.in_flight += 1
         state.total += 1
+        state.requests += 1
         try:
             return await _run(ex, handler)
         except asyncio.CancelledError:
@@ -278,7 +290,7 @@ async def _run(ex: Exchange, handler: Handler) -> web.StreamResponse:
     kind = ex.state.kind
     try:
         ex.record.body = await ex.request.read()
-        ex.faults = Faults.from_headers(ex.request.headers)
+        ex.faults = Faults.of(ex.request)
         response = await before_response(ex.request, ex.faults, kind) or await handler(ex)
         if not response.prepared and ex.faults.hang_after == 0:
             await pause(ex.request, math.inf)
@@ -316,7 +328,7 @@ def _settle(state: SimState, ex: Exchange) -> None:
         state.successes += 1
         state.prompt_tokens[ex.model] += ex.prompt_tokens
         for generation in ex.generations:
-            reason = "length" if generation.finish == "length" else "stop"
+            reason = "length" if generation.finish == LENGTH else "stop"
             state.finished[ex.model, reason] += 1
             state.generation_tokens[ex.model] += generation.completion_tokens
     elif outcome == "cancelled":
@@ -348,7 +360,10 @@ async def _reset(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     """`{"healthy": false}` makes /health fail (the only way to see TGI's 503 body)."""
-    body = json_object(await request.read()) if request.can_read_body else {}
+    try:
+        body = json_object(await request.read()) if request.can_read_body else {}
+    except BadRequest as exc:
+        return web.Response(status=400, text=str(exc))
     request.app[STATE].healthy = bool(body.get("healthy", True))
     return web.Response(status=204)
 

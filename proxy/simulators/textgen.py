@@ -13,12 +13,10 @@ generated text always counts back to exactly the number of tokens generated.
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -26,14 +24,16 @@ _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 # One streamed tool-argument fragment per token, leading whitespace attached.
 _FRAGMENT_RE = re.compile(r"\s*(?:\w+|[^\w\s])")
 
-VOCAB: tuple[str, ...] = tuple(
-    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
-    "incididunt ut labore et dolore magna aliqua enim ad minim veniam quis nostrud "
-    "exercitation ullamco laboris nisi aliquip ex ea commodo consequat duis aute irure "
-    "in reprehenderit voluptate velit esse cillum fugiat nulla pariatur excepteur sint "
-    "occaecat cupidatat non proident sunt culpa qui officia deserunt mollit anim id est "
-    "laborum".split()
-)
+_WORDS = """
+    lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut
+    labore et dolore magna aliqua enim ad minim veniam quis nostrud exercitation ullamco laboris
+    nisi aliquip ex ea commodo consequat duis aute irure in reprehenderit voluptate velit esse
+    cillum fugiat nulla pariatur excepteur sint occaecat cupidatat non proident sunt culpa qui
+    officia deserunt mollit anim id est laborum
+"""
+VOCAB: tuple[str, ...] = tuple(_WORDS.split())
+_SPACED = tuple(" " + word for word in VOCAB)
+_N_WORDS = len(_SPACED)
 REASONING_TOKENS = 8  # vLLM thinking models: fixed-length reasoning before the answer
 MESSAGE_OVERHEAD = 4  # per-message template tokens (role markers), as OpenAI's cookbook rule
 
@@ -43,7 +43,7 @@ EOS, LENGTH, STOP_SEQUENCE, TOOL_CALLS = "eos_token", "length", "stop_sequence",
 
 def count_tokens(text: str) -> int:
     """Number of matches of ``\\w+|[^\\w\\s]`` in `text`."""
-    return sum(1 for _ in _TOKEN_RE.finditer(text))
+    return len(_TOKEN_RE.findall(text))
 
 
 def content_text(content: object) -> str:
@@ -85,8 +85,7 @@ def prompt_key(model: str, prompt: object) -> bytes:
     return hashlib.sha256(model.encode() + b"\0" + canonical).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
+class ToolCall(NamedTuple):
     name: str
     arguments: str  # a JSON-encoded object, as OpenAI sends it
 
@@ -99,8 +98,7 @@ class ToolCall:
         return _FRAGMENT_RE.findall(self.arguments)
 
 
-@dataclass(frozen=True, slots=True)
-class Generation:
+class Generation(NamedTuple):  # a NamedTuple: built per request, and cheaper than a dataclass
     tokens: tuple[str, ...]
     finish: str  # EOS | LENGTH | STOP_SEQUENCE | TOOL_CALLS
     stop: str | None = None  # the stop string that matched
@@ -121,40 +119,50 @@ def pick_tool(tools: Sequence[Any] | None, tool_choice: object) -> Mapping[str, 
     """The tool's `function` object to call: the named one, else the first; None for "none"."""
     if not tools or tool_choice == "none":
         return None
-    functions = [t["function"] for t in tools if isinstance(t, dict) and isinstance(
-        t.get("function"), dict)]
+    functions = [
+        t["function"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
     if not functions:
         return None
-    if isinstance(tool_choice, dict):
-        wanted = (tool_choice.get("function") or {}).get("name")
+    chosen = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if isinstance(chosen, dict):
+        wanted = chosen.get("name")
         for function in functions:
             if function.get("name") == wanted:
                 return function  # type: ignore[no-any-return]
     return functions[0]  # type: ignore[no-any-return]
 
 
-def _argument_value(schema: object, rng: random.Random) -> object:
+def _properties(function: Mapping[str, Any]) -> Mapping[str, Any]:
+    params = function.get("parameters")
+    props = params.get("properties") if isinstance(params, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+def _argument_value(schema: object, draw: int) -> object:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):  # e.g. ["string", "null"]
         kind = next((k for k in kind if k != "null"), None)
     if kind == "string":
-        return rng.choice(VOCAB)
+        return VOCAB[draw % len(VOCAB)]
     if kind in ("integer", "number"):
-        return rng.randrange(100)
+        return draw % 100
     if kind == "boolean":
         return True
     return None
 
 
-def _tool_call(function: Mapping[str, Any], rng: random.Random) -> ToolCall:
-    params = function.get("parameters")
-    props = params.get("properties") if isinstance(params, dict) else None
-    args = {key: _argument_value(schema, rng) for key, schema in (props or {}).items()}
+def _tool_call(function: Mapping[str, Any], draws: bytes) -> ToolCall:
+    props = _properties(function)
+    pairs = zip(props.items(), draws, strict=True)
+    args = {key: _argument_value(schema, draw) for (key, schema), draw in pairs}
     return ToolCall(str(function.get("name", "")), orjson.dumps(args).decode())
 
 
 def _cut_at_stop(tokens: list[str], stops: Sequence[str]) -> tuple[list[str], str | None]:
     """Truncate before the earliest stop string; a partly kept word stays one token."""
+    if not stops:
+        return tokens, None
     text = "".join(tokens)
     hits = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
     if not hits:
@@ -187,20 +195,21 @@ def generate(
     `natural` is the length the "model" wants; `limit` the request's max tokens (reasoning
     counts against it, as on vLLM). A tool, when given, replaces the text answer.
     """
-    rng = random.Random(key + seed.to_bytes(8, "big", signed=True))
     budget = limit if limit is not None else natural + (REASONING_TOKENS if reasoning else 0)
-    thoughts = tuple(" " + rng.choice(VOCAB) for _ in range(
-        min(REASONING_TOKENS, budget) if reasoning else 0))
+    n_thoughts = min(REASONING_TOKENS, budget) if reasoning else 0
+    room = budget - n_thoughts
+    count = 0 if tool is not None else min(natural, room)
+    n_args = len(_properties(tool)) if tool is not None else 0
+    # One SHAKE-256 call yields every draw: much cheaper per request than random.Random.
+    seed_bytes = (seed % 2**64).to_bytes(8, "big")  # any int, as JSON allows
+    draws = hashlib.shake_256(key + seed_bytes).digest(n_thoughts + count + n_args)
+    words = [_SPACED[d % _N_WORDS] for d in draws[: n_thoughts + count]]
+    thoughts = tuple(words[:n_thoughts])
     if tool is not None:
-        return Generation((), TOOL_CALLS, reasoning=thoughts, tool_call=_tool_call(tool, rng))
-    room = budget - len(thoughts)
-    count = min(natural, room)
-    tokens = [" " + rng.choice(VOCAB) for _ in range(count)]
-    tokens, matched = _cut_at_stop(tokens, stop)
-    if matched is not None:
-        finish = STOP_SEQUENCE
-    else:
-        finish = LENGTH if room < natural else EOS
+        call = _tool_call(tool, draws[n_thoughts:])
+        return Generation((), TOOL_CALLS, reasoning=thoughts, tool_call=call)
+    tokens, matched = _cut_at_stop(words[n_thoughts:], stop)
+    finish = STOP_SEQUENCE if matched is not None else LENGTH if room < natural else EOS
     return Generation(tuple(tokens), finish, matched, thoughts)
 
 

@@ -123,8 +123,11 @@ class Upstreams:
                     raise await _failure_from(backend, response)
                 protocol = response.connection.protocol if response.connection else None
                 if protocol is not None:
-                    # Applies from the next body chunk on: gaps after data started are idle gaps.
+                    # From the next body chunk on, gaps are idle gaps. If body bytes came in the
+                    # same read as the headers, data is already flowing: restart the timer now.
                     protocol.read_timeout = self.settings.idle_timeout_s
+                    if response.content.total_bytes:
+                        protocol.start_timeout()
                 yield response
             except BaseException:
                 # An unfinished body: drop the connection so the upstream stops generating.

@@ -1,0 +1,1 @@
+"""Load tests: the benchmark driver (`python -m loadtests.bench`) and locust scenarios."""

@@ -1,0 +1,182 @@
+"""Operator commands on keys and accounts: `keys create|list|revoke`, `accounts show`.
+
+They talk to the gateway's Redis directly (the same store the workers read), found as
+GATEWAY_REDIS_URL, else `[gateway] redis_url`, else the embedded server's unix socket under the
+data directory, which only exists while `serve` runs. A new key is printed once, alone on the first
+line of stdout (`KEY=$(inference-gateway keys create ... | head -n1)`); nothing here ever prints a
+digest, and a key given on the command line is never echoed back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from proxy.config import Config, ConfigError, load_config
+from proxy.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
+from proxy.redis_process import RedisProcess
+
+__all__ = ["DEFAULT_TIERS", "add_commands", "known_tiers", "redis_url_for"]
+
+DEFAULT_TIERS: frozenset[str] = frozenset({"basic", "pro", "max"})
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+Action = Callable[[argparse.Namespace, Config, KeyStore], Awaitable[int]]
+
+
+def known_tiers(config: Config) -> set[str]:
+    """Tiers a key may be issued for (to come from policies/tiers.toml)."""
+    return set(DEFAULT_TIERS)
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    key_commands = keys.add_subparsers(title="keys commands", required=True)
+
+    create = key_commands.add_parser("create", help="issue a new key (printed once)")
+    create.add_argument("--account", required=True, help="account the key bills to")
+    create.add_argument("--tier", required=True, help="tier name, e.g. basic, pro, max")
+    create.add_argument("--label", default="", help="free text to recognise the key by")
+    _common(create, _create)
+
+    listing = key_commands.add_parser("list", help="list keys (never shows a key)")
+    listing.add_argument("--account", help="only this account's keys")
+    _common(listing, _list)
+
+    revoke = key_commands.add_parser("revoke", help="revoke a key at once, everywhere")
+    revoke.add_argument("key_or_id", metavar="KEY_OR_ID", help="the key, or its id (key_...)")
+    _common(revoke, _revoke)
+
+    accounts = subparsers.add_parser("accounts", help="inspect accounts")
+    account_commands = accounts.add_subparsers(title="accounts commands", required=True)
+    show = account_commands.add_parser("show", help="an account and its keys")
+    show.add_argument("account", metavar="ACCOUNT")
+    _common(show, _show)
+
+
+def _common(parser: argparse.ArgumentParser, action: Action) -> None:
+    parser.add_argument(
+        "--config", default=".", metavar="DIR",
+        help="folder holding backends.toml and policies/ (default: the working directory)",
+    )
+    parser.set_defaults(handler=lambda args: _run(args, action))
+
+
+def redis_url_for(config: Config) -> tuple[str, bool]:
+    """The Redis URL the gateway uses, and whether it is the embedded server."""
+    url = os.environ.get("GATEWAY_REDIS_URL") or config.gateway.redis_url
+    if url:
+        return url, False
+    return RedisProcess(config.data_dir / "redis").url, True
+
+
+def _run(args: argparse.Namespace, action: Action) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"config error: {problem}", file=sys.stderr)
+        return EXIT_FAIL
+    return asyncio.run(_with_store(args, config, action))
+
+
+async def _with_store(args: argparse.Namespace, config: Config, action: Action) -> int:
+    url, embedded = redis_url_for(config)
+    redis = Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=10.0)
+    try:
+        try:
+            await redis.ping()
+        except (RedisError, OSError):
+            if embedded:
+                print(f"cannot reach the embedded Redis at {url}: it belongs to the gateway, "
+                      f"which must be running (inference-gateway serve --config {args.config}); "
+                      "or set GATEWAY_REDIS_URL", file=sys.stderr)
+            else:
+                print(f"cannot reach Redis at {_public_url(url)}", file=sys.stderr)
+            return EXIT_FAIL
+        store = KeyStore(redis, config.policies.auth.keys)
+        try:
+            return await action(args, config, store)
+        except RedisError as exc:
+            print(f"Redis error: {type(exc).__name__}", file=sys.stderr)
+            return EXIT_FAIL
+    finally:
+        await redis.aclose()
+
+
+def _public_url(url: str) -> str:
+    """The URL without its password (a Redis URL may carry one)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def _create(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    tiers = known_tiers(config)
+    if args.tier not in tiers:
+        print(f"unknown tier {args.tier!r} (known: {', '.join(sorted(tiers))})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        raw, record = await store.create(args.account, args.tier, args.label)
+    except ValueError:
+        print(f"account must match {ACCOUNT_PATTERN}; label at most {LABEL_MAX} printable "
+              "characters", file=sys.stderr)
+        return EXIT_USAGE
+    print(raw)  # the one and only time this key is shown
+    print(f"id: {record.id}  account: {record.account}  tier: {record.tier}")
+    print("Store the key now: it cannot be shown again.", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _list(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    _print_table(await store.list(args.account))
+    return EXIT_OK
+
+
+async def _revoke(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    record = await store.revoke(args.key_or_id)
+    if record is None:
+        # Never echo the argument: it may be a (mistyped) key.
+        print("no such key (give a key id like key_0123456789ab, or the whole key)",
+              file=sys.stderr)
+        return EXIT_FAIL
+    print(f"revoked {record.id} (account {record.account})")
+    return EXIT_OK
+
+
+async def _show(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    view = await store.account(args.account)
+    if view is None:
+        print("no such account", file=sys.stderr)
+        return EXIT_FAIL
+    active = sum(1 for k in view.keys if k.active)
+    print(f"account: {view.account}  keys: {len(view.keys)} ({active} active)")
+    _print_table(view.keys)
+    return EXIT_OK
+
+
+_COLUMNS = ("id", "account", "tier", "status", "created", "label")
+
+
+def _print_table(records: Sequence[KeyRecord]) -> None:
+    rows = [[r.id, r.account, r.tier, r.status, _iso(r.created), r.label] for r in records]
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(_COLUMNS)]
+    for row in [list(_COLUMNS), *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _iso(created: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))

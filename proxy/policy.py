@@ -1,0 +1,46 @@
+"""Policy decisions for a principal: tier access and per-request caps. Pure."""
+
+from __future__ import annotations
+
+from proxy.config import ANY_GROUP, TierPolicy, TiersPolicy
+from proxy.errors import ErrorKind, GatewayError
+
+FAMILY_NAMES = {
+    "chat": "chat", "tts": "speech synthesis", "asr": "speech recognition",
+    "image": "image generation", "video": "video generation",
+}
+
+
+def tier_of(tiers: TiersPolicy, name: str) -> TierPolicy:
+    tier = tiers.tiers.get(name)
+    if tier is None:
+        raise GatewayError(ErrorKind.FORBIDDEN, f"tier {name!r} is not configured on this gateway")
+    return tier
+
+
+def check_access(tiers: TiersPolicy, tier_name: str, *, family: str, model: str, mode: str
+                 ) -> None:
+    """403 naming what the tier lacks: the task family, the model's group, or the mode."""
+    tier = tier_of(tiers, tier_name)
+    if family not in tier.families:
+        raise _forbidden(f"the {tier_name} tier does not include {FAMILY_NAMES[family]}")
+    group = tiers.group_of(model)
+    modes = set(tier.models.get(group, ())) | set(tier.models.get(ANY_GROUP, ()))
+    if not modes:
+        raise _forbidden(f"the {tier_name} tier may not use model group {group!r}")
+    if mode not in modes:
+        raise _forbidden(f"the {tier_name} tier may not use model group {group!r} in {mode} mode")
+
+
+def completion_cap(tier: TierPolicy, tier_name: str, requested: int | None) -> int | None:
+    """The completion-token cap to send upstream; 403 when the request asks for more."""
+    cap = tier.max_tokens_per_request
+    if cap is None:
+        return requested
+    if requested is not None and requested > cap:
+        raise _forbidden(f"the {tier_name} tier allows at most {cap} completion tokens a request")
+    return requested if requested is not None else cap
+
+
+def _forbidden(message: str) -> GatewayError:
+    return GatewayError(ErrorKind.FORBIDDEN, message)

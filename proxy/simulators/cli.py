@@ -1,0 +1,102 @@
+"""`inference-gateway simulate KIND ...`: run one simulated upstream server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from proxy.simulators import KINDS, SimConfig, build_app
+
+DEFAULT_PORTS = {"tgi": 3000, "vllm": 8000}
+DEFAULT_MODEL = "acme/small-chat"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", choices=KINDS, help="which server to simulate")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="default: 3000 for tgi, 8000 for vllm (the real defaults)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="NAME",
+        help=f"served model, repeatable (default {DEFAULT_MODEL}); TGI serves the first only",
+    )
+    parser.add_argument(
+        "--ttft-ms", type=float, default=0.0, help="time to first token, milliseconds"
+    )
+    parser.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=0.0,
+        help="decode speed; 0 sends tokens as fast as possible",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=int, default=128, help="TGI answers 429 above this; vLLM queues"
+    )
+    parser.add_argument(
+        "--startup-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep the port closed this long, like a server loading weights",
+    )
+    parser.add_argument(
+        "--fail-generation", action="store_true", help="/health stays OK but every generation fails"
+    )
+    parser.add_argument(
+        "--completion-tokens",
+        type=int,
+        default=16,
+        help="natural completion length (x-sim-tokens overrides per request)",
+    )
+
+
+def config_from(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        models=tuple(args.models or (DEFAULT_MODEL,)),
+        ttft_ms=args.ttft_ms,
+        tokens_per_s=args.tokens_per_s,
+        max_concurrency=args.max_concurrency,
+        startup_delay_s=args.startup_delay,
+        fail_generation=args.fail_generation,
+        default_completion_tokens=args.completion_tokens,
+    )
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    port = args.port if args.port is not None else DEFAULT_PORTS[args.kind]
+    banner = (
+        f"simulating {args.kind} on http://{args.host}:{port} serving {', '.join(config.models)}"
+    )
+
+    def announce(*_args: Any, **_kwargs: Any) -> None:
+        print(banner, flush=True)
+
+    web.run_app(
+        build_app(args.kind, config),
+        host=args.host,
+        port=port,
+        access_log=None,
+        print=announce,
+        handler_cancellation=True,  # a client disconnect stops generation at once
+        loop=_new_loop(),
+    )
+    return 0

@@ -1,0 +1,80 @@
+"""The README's path as a new user runs it: `simulate` + `serve` processes, the openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, free_port, write_config
+
+
+def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "process exited during startup"
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not ready in {timeout} s")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    sim_port, gw_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("GATEWAY_REDIS_URL", None)
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "simulate", "vllm", "--port", str(sim_port),
+         "--model", MODEL], env=env)
+    data_dir = tmp_path / "data"
+    folder = write_config(tmp_path / "config", [{
+        "name": "chat-a", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}",
+        "models": [MODEL]}], gateway={"port": gw_port, "data_dir": str(data_dir)})
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--config", str(folder)], env=env)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
+        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway)
+        yield f"http://127.0.0.1:{gw_port}", gateway, data_dir
+    finally:
+        for proc in (gateway, sim):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def test_openai_client_through_served_gateway_with_embedded_redis(
+    stack: tuple[str, subprocess.Popen[bytes], Path]
+) -> None:
+    base, gateway, data_dir = stack
+    client = openai.OpenAI(base_url=f"{base}/v2/compat/v1", api_key="unused", max_retries=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}])
+    assert plain.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == plain.choices[0].message.content
+
+    # The embedded redis-server runs on a unix socket in the data dir, with AOF on ...
+    assert (data_dir / "redis" / "redis.sock").exists()
+    assert any(p.name.startswith("appendonly") for p in (data_dir / "redis").iterdir())
+    # ... and goes away with the gateway.
+    gateway.send_signal(signal.SIGTERM)
+    assert gateway.wait(15) == 0
+    deadline = time.monotonic() + 5
+    while (data_dir / "redis" / "redis.sock").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (data_dir / "redis" / "redis.sock").exists()

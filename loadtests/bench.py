@@ -35,6 +35,7 @@ from loadtests.servers import (
     Pinning,
     Server,
     ServerFailed,
+    create_key,
     free_port,
     gateway_args,
     plan_pinning,
@@ -147,6 +148,8 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setu
                                       kind=args.kind, model=args.model)
         gw = start("gateway", gateway_args(config, port))
         wait_ready(f"{gateway}/readyz", server=gw)
+        if not args.api_key:
+            args.api_key = create_key(config)
     else:
         wait_ready(f"{gateway.rstrip('/')}/readyz")
 
@@ -163,7 +166,7 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setu
         setup.notes.append("not pinned: needs os.sched_setaffinity and at least 2 usable cores")
     else:
         setup.notes.append("servers given by URL: not started here, nothing pinned")
-    gateway_headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    gateway_headers = {"X-API-Key": args.api_key} if args.api_key else {}
     setup.targets = [
         loadgen.Target("direct", upstream.rstrip("/") + DIRECT_CHAT_PATH, {}),
         loadgen.Target("gateway", gateway.rstrip("/") + GATEWAY_CHAT_PATH, gateway_headers),

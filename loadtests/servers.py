@@ -150,7 +150,26 @@ def write_gateway_config(
         f'name = "bench"\nkind = {q(kind)}\nurl = {q(upstream_url)}\nmodels = [{q(model)}]\n'
         "max_concurrency = 100000\n"
     )
+    # A tier fast enough never to limit the benchmark, so the full policy path (key lookup, the
+    # Redis rate-limit hit) runs on every request without rejecting any.
+    (folder / "policies").mkdir(exist_ok=True)
+    (folder / "policies" / "tiers.toml").write_text(
+        '[tiers.guest]\nrequests_per_minute = 3\nfamilies = ["chat"]\n'
+        'models = { "*" = ["direct"] }\n\n'
+        '[tiers.bench]\nrequests_per_minute = 1000000\nfamilies = ["chat"]\n'
+        'models = { "*" = ["direct", "network"] }\n'
+    )
     return folder
+
+
+def create_key(config_dir: Path) -> str:
+    """A bench-tier key, created through the CLI like an operator would."""
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "keys", "create", "--account", "bench", "--tier",
+         "bench", "--config", str(config_dir)],
+        capture_output=True, text=True, timeout=30, check=True,
+    )
+    return done.stdout.split()[0]
 
 
 def _child_setup(core: int | None) -> Callable[[], None]:

@@ -28,9 +28,10 @@ from aiohttp import web
 
 from proxy import apikeys
 from proxy.admin_cli import DEFAULT_TIERS, known_tiers
-from proxy.appkeys import CONFIG
+from proxy.appkeys import CONFIG, LIVE
 from proxy.errors import ErrorKind, GatewayError, validation_failed
 from proxy.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyStore
+from proxy.request_body import parse_json_object, read_capped
 from proxy.validate import RequestInvalid, validate
 
 __all__ = ["ADMIN_TOKEN_ENV", "CreateKeyBody", "add_admin_routes", "admin_token_matches"]
@@ -47,6 +48,9 @@ class CreateKeyBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     label: Annotated[
         str, msgspec.Meta(max_length=LABEL_MAX, pattern="^[^\\x00-\\x1f\\x7f]*$")
     ] = ""
+
+
+_BODY_CAP = 64 * 1024  # admin bodies are tiny
 
 
 def admin_token_matches(header: str | None, token: str | None) -> bool:
@@ -117,6 +121,16 @@ class _AdminRoutes:
             raise GatewayError(ErrorKind.NOT_FOUND, "no such key id")
         return _json(record.public())
 
+    async def reload_policies(self, request: web.Request) -> web.Response:
+        """Reload policies/ (as SIGHUP does); a bad file is refused and the old policy stays."""
+        await self.authorize(request)
+        live = request.app[LIVE]
+        problems = live.reload()
+        if problems:
+            raise GatewayError(ErrorKind.VALIDATION_ERROR,
+                               "policy reload refused: " + "; ".join(problems))
+        return _json({"status": "reloaded", "version": live.current.version})
+
     async def show_account(self, request: web.Request) -> web.Response:
         await self.authorize(request)
         view = await self.store(request).account(request.match_info["account"])
@@ -142,17 +156,11 @@ def add_admin_routes(
     app.router.add_get("/admin/keys", routes.list_keys)
     app.router.add_delete("/admin/keys/{key_id}", routes.revoke_key)
     app.router.add_get("/admin/accounts/{account}", routes.show_account)
+    app.router.add_post("/admin/reload", routes.reload_policies)
 
 
 async def _json_object(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise GatewayError(ErrorKind.INVALID_JSON, "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise GatewayError(ErrorKind.INVALID_JSON, "request body must be a JSON object")
-    return body
+    return parse_json_object(await read_capped(request, _BODY_CAP))
 
 
 def _json(body: dict[str, Any], *, status: int = 200,

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from proxy.auth import GUEST_TIER
 from proxy.config import Config, ConfigError, load_config
 from proxy.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
 from proxy.redis_process import RedisProcess
@@ -34,8 +35,8 @@ Action = Callable[[argparse.Namespace, Config, KeyStore], Awaitable[int]]
 
 
 def known_tiers(config: Config) -> set[str]:
-    """Tiers a key may be issued for (to come from policies/tiers.toml)."""
-    return set(DEFAULT_TIERS)
+    """Tiers a key may be issued for: those in policies/tiers.toml, except the guests' own."""
+    return set(config.policies.tiers.tiers) - {GUEST_TIER}
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

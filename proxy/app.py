@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import orjson
@@ -12,14 +14,20 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from proxy import pipeline
-from proxy.appkeys import CONFIG, OPENAPI, REDIS, ROUTER, UPSTREAMS
+from proxy.admin_api import add_admin_routes
+from proxy.appkeys import CONFIG, KEYSTORE, LIMITER, LIVE, OPENAPI, REDIS, ROUTER, UPSTREAMS
+from proxy.auth import GUEST_TIER
 from proxy.config import Config
+from proxy.errors import GatewayError
+from proxy.keystore import KeyStore
+from proxy.live import LivePolicies
 from proxy.middleware import gateway_middleware
 from proxy.openapi import CHAT_OPERATIONS, build_openapi
+from proxy.pipeline import chat_route
+from proxy.ratelimit import RateLimiter
+from proxy.translate.openai import OpenAIStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
-
 
 API_VERSION = "2.0.0"  # the interface version (spec, Versioning); every path begins with /v2
 
@@ -45,9 +53,17 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         build_openapi(CHAT_OPERATIONS, title="Inference Gateway", version=API_VERSION)
     )
 
-    async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def state_ctx(app: web.Application) -> AsyncIterator[None]:
         app[REDIS] = connect_redis(redis_url)
+        app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
+        app[LIVE] = LivePolicies(config, app[KEYSTORE])
+        app[LIMITER] = RateLimiter(redis_url)
+        # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
+        listener = asyncio.create_task(app[KEYSTORE].listen_for_revocations())
         yield
+        listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
         await app[REDIS].aclose()
 
     async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -55,12 +71,24 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         yield
         await app[UPSTREAMS].close()
 
-    app.cleanup_ctx.extend([redis_ctx, upstreams_ctx])
-    app.router.add_post("/v2/compat/v1/chat/completions", pipeline.chat_completions)
+    app.cleanup_ctx.extend([state_ctx, upstreams_ctx])
+    app.router.add_post("/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()))
     app.router.add_get("/v2/openapi.json", openapi_document)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    add_admin_routes(app, KEYSTORE, extra_check=admin_role_jwt,
+                     tiers=lambda request: set(request.app[LIVE].current.policies.tiers.tiers)
+                     - {GUEST_TIER})
     return app
+
+
+async def admin_role_jwt(request: web.Request) -> bool:
+    """Admin routes also accept a valid JWT whose role claim is `admin`."""
+    try:
+        principal = await request.app[LIVE].current.auth.principal(request.headers, None)
+    except GatewayError:
+        return False
+    return principal.kind == "jwt" and principal.role == "admin"
 
 
 async def openapi_document(request: web.Request) -> web.Response:

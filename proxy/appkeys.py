@@ -1,4 +1,5 @@
-"""Typed keys for the long-lived objects an application holds (set up in `app.cleanup_ctx`)."""
+"""Typed keys for the long-lived objects an application holds (set up in `app.cleanup_ctx`),
+and for the values one request carries from step to step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from proxy.config import Config
+from proxy.keystore import KeyStore
+from proxy.live import LivePolicies
+from proxy.ratelimit import RateLimiter
+from proxy.translate.base import ChatStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
 
@@ -13,7 +18,11 @@ CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
 REDIS = web.AppKey("redis", Redis)
+KEYSTORE = web.AppKey("keystore", KeyStore)
+LIVE = web.AppKey("live", LivePolicies)
+LIMITER = web.AppKey("limiter", RateLimiter)
 OPENAPI = web.AppKey("openapi", bytes)
 
-# Per-request values (request[...]).
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
+STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it
+RESPONSE_HEADERS = web.RequestKey("response_headers", dict)  # e.g. rate-limit headers

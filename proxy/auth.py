@@ -12,6 +12,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 
+from redis.exceptions import RedisError
+
 from proxy.apikeys import well_formed
 from proxy.config import AuthPolicy
 from proxy.errors import ErrorKind, GatewayError
@@ -53,7 +55,12 @@ class Authenticator:
     async def _from_key(self, key: str) -> Principal:
         if not well_formed(key, self._prefix):
             raise _unauthorized("invalid API key")
-        record = await self._keystore.lookup(key)
+        try:
+            record = await self._keystore.lookup(key)
+        except RedisError:
+            # Not cached and the store is unreachable: we cannot tell who this is.
+            raise GatewayError(ErrorKind.UNAVAILABLE, "the key store is unreachable; try again "
+                               "shortly", headers={"Retry-After": "5"}) from None
         if record is None:
             raise _unauthorized("invalid API key")
         if record.status != "active":

@@ -1,4 +1,7 @@
-"""The `inference-gateway` command (also `python -m proxy`): serve, simulate, check-config."""
+"""The `inference-gateway` command (also `python -m proxy`).
+
+serve, simulate, check-config, and the administration commands: keys, accounts.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from proxy import __version__
+from proxy import __version__, admin_cli
 from proxy.config import Config, ConfigError, load_config
 from proxy.simulators import cli as simulators_cli
 
@@ -42,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser("simulate", help="run an upstream simulator (no GPU needed)")
     simulators_cli.add_arguments(simulate)
     simulate.set_defaults(handler=simulators_cli.run)
+
+    admin_cli.add_commands(commands)  # keys create|list|revoke, accounts show
     return parser
 
 

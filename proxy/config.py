@@ -237,6 +237,11 @@ def load_config(folder: str | Path = ".") -> Config:
 
     if "tiers" in policies:
         problems.extend(_check_tiers(policies["tiers"]))
+    if "auth" in policies:
+        from proxy.jwt_verify import check_jwt_policy  # it imports this module
+
+        problems.extend(f"policies/auth.toml: jwt: {p}"
+                        for p in check_jwt_policy(policies["auth"].jwt, root))
     if problems or backends is None:
         raise ConfigError(problems)
     return Config(
@@ -315,6 +320,7 @@ def _check_tiers(tiers: TiersPolicy) -> list[str]:
             problems.append(f"{where}: groups.{group}: reserved group name")
         for model in models:
             if model in owner:
-                problems.append(f"{where}: groups.{group}: {model!r} is already in {owner[model]!r}")
+                problems.append(f"{where}: groups.{group}: {model!r} is already in "
+                                f"{owner[model]!r}")
             owner[model] = group
     return problems

@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.appkeys import REQUEST_ID
+from proxy.appkeys import REQUEST_ID, RESPONSE_HEADERS, STYLE
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import request_id_from
 
@@ -29,26 +29,31 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     try:
         response = await handler(request)
     except GatewayError as exc:
-        response = error_response(exc)
+        response = error_response(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         kind = _HTTP_KINDS.get(exc.status, ErrorKind.INVALID_REQUEST)
         message = "no such route" if exc.status == 404 else exc.reason
-        response = error_response(GatewayError(kind, message))
+        response = error_response(request, GatewayError(kind, message))
         if exc.status == 405:
             response.headers["Allow"] = exc.headers.get("Allow", "")
     except Exception:
         # Our bug, not the client's: log it here, never send its text.
         log.exception("unhandled error", extra={"request_id": request_id})
-        response = error_response(GatewayError(ErrorKind.INTERNAL_ERROR, "internal error"))
+        response = error_response(request, GatewayError(ErrorKind.INTERNAL_ERROR, "internal error"))
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
+        extra = request.get(RESPONSE_HEADERS)
+        if extra:
+            response.headers.update(extra)
     return response
 
 
-def error_response(error: GatewayError) -> web.Response:
+def error_response(request: web.Request, error: GatewayError) -> web.Response:
+    """The error in the route's own style (OpenAI/FastAPI, Anthropic, Ollama)."""
+    style = request.get(STYLE)
+    body = style.error_body(error) if style is not None else error.json()
     return web.Response(
-        status=error.status, body=error.json(), content_type="application/json",
-        headers=error.headers,
+        status=error.status, body=body, content_type="application/json", headers=error.headers,
     )

@@ -1,90 +1,114 @@
-"""The request path, one readable function per route family.
+"""The request path of every chat route, in one function.
 
-    auth (who) -> rate limit -> parse + validate (400/413/422) -> tier access + model (403/404)
-    -> credit hold (402) -> route (503) -> translate -> upstream (502/503/504, one retry before
-    the first byte) -> relay (JSON, or SSE event by event) -> meter + settle
+    auth (401) -> rate limit (429) -> parse + validate (400/413/422) -> model + tier access
+    (404/403) -> credit hold (402) -> route (503) -> translate -> upstream (502/503/504, one retry
+    before the first byte) -> relay (JSON, or a stream event by event) -> meter + settle
 
-Each step returns a value or raises `GatewayError`; the error middleware renders it. Identity,
-rate limits, tier access and credits are later steps (marked below) that slot into this function
-rather than hide in middleware.
+Each step returns a value or raises `GatewayError`; the error middleware renders it in the route's
+style. A rejected request never reaches an upstream.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.appkeys import CONFIG, REQUEST_ID, ROUTER, UPSTREAMS
+from proxy.appkeys import (
+    CONFIG,
+    LIMITER,
+    LIVE,
+    REQUEST_ID,
+    RESPONSE_HEADERS,
+    ROUTER,
+    STYLE,
+    UPSTREAMS,
+)
 from proxy.errors import ErrorKind, GatewayError, validation_failed
-from proxy.relay import relay_sse
+from proxy.policy import check_access, completion_cap, tier_of
+from proxy.relay import relay_stream
 from proxy.request_body import parse_json_object, read_capped
-from proxy.schemas import ChatRequest
-from proxy.translate import openai_chat
-from proxy.validate import RequestInvalid, validate_chat
+from proxy.translate import upstream as upstream_chat
+from proxy.translate.base import ChatCall, ChatStyle
+from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v2/compat/v1/chat/completions: an OpenAI-style chat completion, start to finish."""
+def chat_route(style: ChatStyle) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await chat(request, style)
+
+    return handler
+
+
+async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
+    """A chat request in any style, start to finish."""
     app = request.app
-    config = app[CONFIG]
-    # Identity and rate limit come first here (every caller is a guest until keys exist).
-    raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
-    body = parse_json_object(raw)
-    chat = _validated(body)
-    mode = _direct_mode(chat)
-    pool = app[ROUTER].chat_pool(chat.model)
-    # Tier access and the credit hold go here, before anything reaches an upstream.
-    if chat.async_:
+    request[STYLE] = style
+    snapshot = app[LIVE].current  # one policy version for the whole request
+
+    principal = await snapshot.auth.principal(request.headers, request.remote)
+    tier = tier_of(snapshot.policies.tiers, principal.tier)
+    admission = await app[LIMITER].admit(principal.tier, tier, principal.account)
+    request[RESPONSE_HEADERS] = admission.headers()
+
+    cap = app[CONFIG].policies.requests.chat.max_body_bytes
+    call = _parsed(style, parse_json_object(await read_capped(request, cap)))
+    pool = app[ROUTER].chat_pool(call.model)
+    check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
+                 mode="network" if call.mode == "network" else "direct")
+    mode = _direct_mode(call)
+    limit = completion_cap(tier, principal.tier, call.max_tokens)
+    if limit is not None and call.max_tokens is None:
+        call.openai_body["max_tokens"] = limit
+    # The credit hold goes here: nothing below runs unless the worst case is covered.
+    if call.async_:
         raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async chat tasks are not available yet")
 
     task_id = f"{mode}:{uuid.uuid4()}"
     request_id = request[REQUEST_ID]
     headers = {
         "Content-Type": "application/json",
-        "Accept": "text/event-stream" if chat.stream else "application/json",
+        "Accept": "text/event-stream" if call.stream else "application/json",
         "X-Request-Id": request_id,
     }
     async with app[UPSTREAMS].call(
         pool, CHAT_UPSTREAM_PATH,
-        lambda backend: openai_chat.upstream_body(body, chat, backend.spec.kind),
+        lambda backend: upstream_chat.upstream_body(call.openai_body, call.stream,
+                                                    backend.spec.kind),
         headers, request.headers,
     ) as (backend, upstream):
-        if chat.stream:
-            chunks = openai_chat.ChunkFilter(
-                backend.spec.kind, chat.model, openai_chat.wants_usage(chat)
-            )
-            response, _result = await relay_sse(
-                request, upstream, chunks, {"X-Request-Id": request_id, "X-Task-Id": task_id}
+        if call.stream:
+            chunks = upstream_chat.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
+            response, _result = await relay_stream(
+                request, upstream, chunks, style.encoder(call, task_id),
+                {**admission.headers(), "X-Request-Id": request_id, "X-Task-Id": task_id},
             )
             # Metering and settlement of `_result` and `chunks.usage` go here.
             return response
         completion = await _read_completion(upstream)
-    completion = openai_chat.fix_response(completion, backend.spec.kind, chat.model)
-    completion["task_id"] = task_id
-    completion["mode"] = mode
-    completion["task_address"] = None
+    completion = upstream_chat.fix_response(completion, backend.spec.kind, call.model)
     return web.Response(
-        body=orjson.dumps(completion), content_type="application/json",
-        headers={"X-Task-Id": task_id},
+        body=orjson.dumps(style.response(completion, call, task_id, mode)),
+        content_type="application/json", headers={"X-Task-Id": task_id},
     )
 
 
-def _validated(body: dict[str, Any]) -> ChatRequest:
+def _parsed(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
     try:
-        return validate_chat(body)
+        return style.parse(body)
     except RequestInvalid as exc:
         raise validation_failed(exc.detail) from None
 
 
-def _direct_mode(chat: ChatRequest) -> str:
+def _direct_mode(call: ChatCall) -> str:
     """`auto` and `direct` run on the model's direct pool; no network-mode pools exist yet."""
-    if chat.mode == "network":
+    if call.mode == "network":
         raise GatewayError(
             ErrorKind.NOT_FOUND, "network mode is not offered for this model; use direct or auto"
         )

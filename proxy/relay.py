@@ -1,5 +1,7 @@
 """Relaying an upstream SSE stream to the client, event by event, as it arrives.
 
+The client's format (OpenAI SSE, Anthropic events, Ollama NDJSON) is the encoder's business.
+
 Never buffered beyond what one upstream read returned; each write waits for the client to drain
 (backpressure). Response headers go out only once the first client-bound event exists, so an
 upstream that fails at once still gets a real HTTP status. After that the status is fixed at 200
@@ -17,14 +19,11 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import ErrorKind, GatewayError
-from proxy.sse import DONE, DONE_FRAME, Event, SSEDecoder, frame
-from proxy.translate.openai_chat import ChunkFilter, UpstreamStreamError
+from proxy.sse import DONE, Event, SSEDecoder
+from proxy.translate.base import StreamEncoder
+from proxy.translate.upstream import ChunkFilter, UpstreamStreamError
 
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(slots=True)
@@ -39,13 +38,17 @@ class StreamResult:
     error: GatewayError | None = None
 
 
-async def relay_sse(
+async def relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
     chunks: ChunkFilter,
+    encoder: StreamEncoder,
     headers: Mapping[str, str],
 ) -> tuple[web.StreamResponse, StreamResult]:
-    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client."""
+    response = web.StreamResponse(
+        status=200, headers={"Content-Type": encoder.content_type, **STREAM_HEADERS, **headers}
+    )
     decoder = SSEDecoder()
     pending: list[bytes] = []
     result = StreamResult("completed")
@@ -56,8 +59,8 @@ async def relay_sse(
             if event.data == DONE:
                 return True
             data = chunks.feed(event.data)
-            if data is not None:
-                pending.append(frame(data))
+            if data is not None and (out := encoder.chunk(data)):
+                pending.append(out)
         return False
 
     try:
@@ -89,9 +92,7 @@ async def relay_sse(
     if result.error is not None and not response.prepared and not pending:
         raise result.error  # nothing owed to the client yet: a real HTTP status
     tail = pending
-    if result.error is not None:
-        tail.append(result.error.sse_event())
-    tail.append(DONE_FRAME)
+    tail.append(encoder.error(result.error) if result.error else encoder.end(chunks.usage))
     try:
         await _send(request, response, b"".join(tail))
         await response.write_eof()

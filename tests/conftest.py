@@ -10,14 +10,39 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
 
 from proxy.app import build_app
-from proxy.config import load_config
+from proxy.config import KeysPolicy, load_config
+from proxy.keystore import KeyStore
 from proxy.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
 
 MODEL = "acme/small-chat"
+
+# Tests that are not about rate limits must not trip over them.
+GENEROUS_TIERS = """
+[tiers.guest]
+requests_per_minute = 100000
+families = ["chat", "tts", "asr", "image", "video"]
+models = { "*" = ["direct", "network"] }
+
+[tiers.max]
+requests_per_minute = 100000
+families = ["chat", "tts", "asr", "image", "video"]
+models = { "*" = ["direct", "network"] }
+"""
+
+
+async def new_key(redis_url: str, tier: str = "max", account: str = "acct-test") -> str:
+    """A real API key, created the way `keys create` does."""
+    redis = Redis.from_url(redis_url)
+    try:
+        raw, _ = await KeyStore(redis, KeysPolicy()).create(account, tier, "test")
+    finally:
+        await redis.aclose()
+    return raw
 
 
 def free_port() -> int:
@@ -86,12 +111,26 @@ async def simulator(aiohttp_server: Any) -> AsyncIterator[SimulatorFactory]:
 
 
 @pytest.fixture
+async def clean_redis(redis_server: RedisProcess) -> RedisProcess:
+    """The session's redis-server, emptied: no keys, limits or balances from earlier tests."""
+    redis = Redis.from_url(redis_server.url)
+    await redis.flushdb()
+    await redis.aclose()
+    return redis_server
+
+
+@pytest.fixture
 async def gateway(
-    aiohttp_server: Any, tmp_path: Path, redis_server: RedisProcess
+    aiohttp_server: Any, tmp_path: Path, clean_redis: RedisProcess
 ) -> AsyncIterator[GatewayFactory]:
-    """Start a gateway whose backends.toml lists the given upstream servers."""
+    """Start a gateway whose backends.toml lists the given upstream servers.
+
+    The server gets an `api_key` attribute: a max-tier key for clients that need one.
+    """
+    redis_server = clean_redis
 
     async def start(*upstreams: TestServer | dict[str, Any], kind: str = "vllm",
+                    models: tuple[str, ...] = (MODEL,),
                     upstream: dict[str, Any] | None = None,
                     policies: dict[str, str] | None = None) -> TestServer:
         backends = []
@@ -101,11 +140,13 @@ async def gateway(
                 continue
             backends.append({
                 "name": f"b{i}", "kind": kind, "url": str(up.make_url("/")).rstrip("/"),
-                "models": [MODEL], "forward_headers": ["x-sim-*"],
+                "models": list(models), "forward_headers": ["x-sim-*"],
             })
+        policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
         folder = write_config(tmp_path / "config", backends, upstream=upstream, policies=policies)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url)
         server: TestServer = await aiohttp_server(app)  # handler_cancellation is on, as in serve
+        server.api_key = await new_key(redis_server.url)  # type: ignore[attr-defined]
         return server
 
     yield start

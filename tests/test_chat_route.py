@@ -20,7 +20,7 @@ HELLO = [{"role": "user", "content": "Say hello to the world."}]
 
 def client_for(gateway: TestServer, **options: Any) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
-        base_url=str(gateway.make_url("/v2/compat/v1")), api_key="sk-not-checked-yet",
+        base_url=str(gateway.make_url("/v2/compat/v1")), api_key=gateway.api_key,  # type: ignore[attr-defined]
         max_retries=0, **options,
     )
 
@@ -293,7 +293,7 @@ async def test_credentials_and_framing_never_reach_the_upstream(
 ) -> None:
     sim = await simulator()
     gw = await gateway(sim)
-    canary = "sk_canary_9f8e7d6c5b4a"
+    canary = gw.api_key  # type: ignore[attr-defined]  # a real, valid key
     status, _, _ = await post(gw, {"model": MODEL, "messages": HELLO}, headers={
         "Authorization": f"Bearer {canary}", "X-API-Key": canary, "Cookie": f"s={canary}",
         "Connection": "x-sim-nominated", "x-sim-nominated": "1", "X-Forwarded-For": "6.6.6.6",

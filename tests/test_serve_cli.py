@@ -31,7 +31,7 @@ def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 2
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+def stack(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path, Path]]:
     sim_port, gw_port = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("GATEWAY_REDIS_URL", None)
@@ -47,7 +47,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]
     try:
         wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
         wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway)
-        yield f"http://127.0.0.1:{gw_port}", gateway, data_dir
+        yield f"http://127.0.0.1:{gw_port}", gateway, data_dir, folder
     finally:
         for proc in (gateway, sim):
             if proc.poll() is None:
@@ -56,17 +56,27 @@ def stack(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]
 
 
 def test_openai_client_through_served_gateway_with_embedded_redis(
-    stack: tuple[str, subprocess.Popen[bytes], Path]
+    stack: tuple[str, subprocess.Popen[bytes], Path, Path]
 ) -> None:
-    base, gateway, data_dir = stack
-    client = openai.OpenAI(base_url=f"{base}/v2/compat/v1", api_key="unused", max_retries=0)
-    plain = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hello"}])
-    assert plain.choices[0].message.content
-    streamed = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hello"}], stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-    assert text == plain.choices[0].message.content
+    base, gateway, data_dir, folder = stack
+    # The operator's first step: a key, from the CLI, stored in the gateway's embedded Redis.
+    created = subprocess.run(
+        [sys.executable, "-m", "proxy", "keys", "create", "--account", "demo", "--tier", "basic",
+         "--config", str(folder)], capture_output=True, text=True, timeout=30, check=True)
+    key = created.stdout.split()[0]
+    with openai.OpenAI(base_url=f"{base}/v2/compat/v1", api_key=key, max_retries=0) as client:
+        plain = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}])
+        assert plain.choices[0].message.content
+        streamed = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == plain.choices[0].message.content
+        typo = key[:-1] + ("0" if key[-1] != "0" else "1")
+        with pytest.raises(openai.AuthenticationError), openai.OpenAI(
+                base_url=f"{base}/v2/compat/v1", api_key=typo, max_retries=0) as wrong:
+            wrong.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}])
 
     # The embedded redis-server runs on a unix socket in the data dir, with AOF on ...
     assert (data_dir / "redis" / "redis.sock").exists()

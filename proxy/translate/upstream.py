@@ -1,7 +1,7 @@
-"""OpenAI-style chat (the compat route) <-> OpenAI-compatible upstreams (vLLM, TGI, OpenAI). Pure.
+"""The upstream side of chat: what OpenAI-compatible servers (vLLM, TGI, OpenAI) get and send. Pure.
 
-Requests: the client's JSON minus the gateway's own fields (`mode`, `async`) and nulls, with
-`stream_options.include_usage` forced on streams so every stream can be metered.
+Requests: the style's OpenAI-style body minus nulls and fields a backend kind does not take,
+with `stream_options.include_usage` forced on streams so every stream can be metered.
 
 Responses: vLLM and OpenAI already speak the client's dialect, so their stream chunks pass through
 as bytes, parsed only when they may carry usage or an error. TGI's Messages API has quirks
@@ -16,12 +16,19 @@ from typing import Any
 
 import orjson
 
-from proxy.schemas import ChatRequest
-
 # Fields only the gateway reads; never sent upstream.
 GATEWAY_FIELDS = frozenset({"mode", "async"})
-# vLLM extensions that other servers reject or misread (protocols.md §3 notes).
-VLLM_ONLY_FIELDS = frozenset({"chat_template_kwargs"})
+# vLLM's request extensions (protocols.md §3.1): sent only to vLLM backends, since OpenAI
+# rejects unknown fields and the others ignore or misread them.
+VLLM_ONLY_FIELDS = frozenset({
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "use_beam_search", "length_penalty",
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "documents", "echo", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "priority", "request_id",
+    "mm_processor_kwargs", "cache_salt", "return_tokens_as_token_ids", "include_reasoning",
+})
 
 _FINISH_FIXES = {"stop_sequence": "stop", "eos_token": "stop"}
 
@@ -34,19 +41,15 @@ class UpstreamStreamError(Exception):
         self.message = message
 
 
-def upstream_body(body: dict[str, Any], request: ChatRequest, kind: str) -> bytes:
+def upstream_body(body: dict[str, Any], stream: bool, kind: str) -> bytes:
     """The JSON to POST to an OpenAI-compatible backend of `kind`."""
     drop = GATEWAY_FIELDS if kind == "vllm" else GATEWAY_FIELDS | VLLM_ONLY_FIELDS
     out = {key: value for key, value in body.items() if value is not None and key not in drop}
-    if request.stream:
+    if stream:
         options = dict(out.get("stream_options") or {})
         options["include_usage"] = True
         out["stream_options"] = options
     return orjson.dumps(out)
-
-
-def wants_usage(request: ChatRequest) -> bool:
-    return bool(request.stream_options and request.stream_options.include_usage)
 
 
 def fix_response(body: dict[str, Any], kind: str, model: str) -> dict[str, Any]:

@@ -22,9 +22,12 @@ from proxy.errors import GatewayError
 from proxy.keystore import KeyStore
 from proxy.live import LivePolicies
 from proxy.middleware import gateway_middleware
+from proxy.native_discovery import add_ollama_discovery
 from proxy.openapi import CHAT_OPERATIONS, build_openapi
 from proxy.pipeline import chat_route
 from proxy.ratelimit import RateLimiter
+from proxy.translate.anthropic import AnthropicStyle
+from proxy.translate.ollama import OllamaStyle
 from proxy.translate.openai import OpenAIStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
@@ -72,7 +75,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         await app[UPSTREAMS].close()
 
     app.cleanup_ctx.extend([state_ctx, upstreams_ctx])
-    app.router.add_post("/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()))
+    add_chat_routes(app)
     app.router.add_get("/v2/openapi.json", openapi_document)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -80,6 +83,17 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
                      tiers=lambda request: set(request.app[LIVE].current.policies.tiers.tiers)
                      - {GUEST_TIER})
     return app
+
+
+def add_chat_routes(app: web.Application) -> None:
+    """Every chat style, each through the same pipeline (auth, limits, credits, relay)."""
+    app.router.add_post("/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()))
+    messages = chat_route(AnthropicStyle())
+    app.router.add_post("/v2/messages/v1/messages", messages)
+    native = chat_route(OllamaStyle())
+    app.router.add_post("/v2/native/api/chat", native)
+    app.router.add_post("/api/native/chat", native)  # the spec's unversioned alias
+    add_ollama_discovery(app, "/v2/native")
 
 
 async def admin_role_jwt(request: web.Request) -> bool:

@@ -19,6 +19,7 @@ from proxy.appkeys import CONFIG, KEYSTORE, LIMITER, LIVE, OPENAPI, REDIS, ROUTE
 from proxy.auth import GUEST_TIER
 from proxy.config import Config
 from proxy.errors import GatewayError
+from proxy.fleet import setup_fleet
 from proxy.keystore import KeyStore
 from proxy.live import LivePolicies
 from proxy.middleware import gateway_middleware
@@ -75,6 +76,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         await app[UPSTREAMS].close()
 
     app.cleanup_ctx.extend([state_ctx, upstreams_ctx])
+    setup_fleet(app)  # health probes, passive ejection, /admin/backends
     add_chat_routes(app)
     app.router.add_get("/v2/openapi.json", openapi_document)
     app.router.add_get("/healthz", healthz)

@@ -40,6 +40,10 @@ class GatewaySection(_Section, frozen=True):
     redis_url: str | None = None
     # Relative paths are taken from the config folder.
     data_dir: str = ".gateway"
+    # HTTP worker processes sharing the port (SO_REUSEPORT); unset = one per CPU.
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+    # On SIGTERM: readiness fails at once, open streams get this long to finish.
+    drain_timeout_s: Seconds = 30.0
 
 
 class UpstreamSection(_Section, frozen=True):
@@ -63,11 +67,42 @@ class BackendSpec(_Section, frozen=True):
     forward_headers: list[NonEmpty] = []
     # Name of an environment variable holding the backend's own API key (vLLM --api-key, OpenAI).
     api_key_env: str | None = None
+    # Health probe path (default by kind: TGI and vLLM `/health`, Ollama `/`); "" disables it.
+    health_path: str | None = None
+    # Supervision: when `command` is set the gateway starts this process itself (argv list),
+    # waits for its health probe before routing to it, and restarts it when it exits.
+    command: list[NonEmpty] | None = None
+    env: dict[str, str] = {}
+    cwd: str | None = None
+
+
+class HealthSection(_Section, frozen=True):
+    """Active probes and passive ejection (Envoy-style outlier detection)."""
+
+    interval_s: Seconds = 5.0
+    timeout_s: Seconds = 2.0
+    # Passive: this many consecutive failures eject a backend for a cool-down that grows with
+    # each ejection (base, doubling, capped); never more than this share of a pool at once.
+    consecutive_failures: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 5
+    ejection_base_s: Seconds = 10.0
+    ejection_max_s: Seconds = 300.0
+    max_ejected_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+
+
+class SupervisorSection(_Section, frozen=True):
+    """How supervised backends (those with `command`) are started, restarted and stopped."""
+
+    startup_timeout_s: Seconds = 600.0  # model loading can take minutes
+    grace_s: Seconds = 10.0  # SIGTERM, then this long, then SIGKILL
+    backoff_base_s: Seconds = 1.0
+    backoff_max_s: Seconds = 60.0
 
 
 class BackendsFile(_Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
     upstream: UpstreamSection = UpstreamSection()
+    health: HealthSection = HealthSection()
+    supervisor: SupervisorSection = SupervisorSection()
     backends: list[BackendSpec] = []
 
 
@@ -192,6 +227,8 @@ class Config(_Section, frozen=True):
     root: str
     gateway: GatewaySection
     upstream: UpstreamSection
+    health: HealthSection
+    supervisor: SupervisorSection
     backends: tuple[BackendSpec, ...]
     policies: Policies
 
@@ -248,6 +285,8 @@ def load_config(folder: str | Path = ".") -> Config:
         root=str(root),
         gateway=backends.gateway,
         upstream=backends.upstream,
+        health=backends.health,
+        supervisor=backends.supervisor,
         backends=tuple(backends.backends),
         policies=Policies(**policies),
     )

@@ -71,6 +71,11 @@ def _config_tiers(request: web.Request) -> Set[str]:
     return known_tiers(config) if config is not None else DEFAULT_TIERS
 
 
+async def require_admin(request: web.Request) -> None:
+    """The one authorization rule of every /admin route (static token or admin-role JWT)."""
+    await request.app[ADMIN].authorize(request)
+
+
 class _AdminRoutes:
     def __init__(self, store_key: web.AppKey[KeyStore], extra_check: ExtraCheck | None,
                  tiers: TierSource) -> None:
@@ -139,6 +144,9 @@ class _AdminRoutes:
         return _json(view.public())
 
 
+ADMIN = web.AppKey("admin", _AdminRoutes)
+
+
 def add_admin_routes(
     app: web.Application,
     keystore_key: web.AppKey[KeyStore],
@@ -152,6 +160,7 @@ def add_admin_routes(
     names the tiers a key may be issued for (default: `known_tiers` of the app's Config).
     """
     routes = _AdminRoutes(keystore_key, extra_check, tiers)
+    app[ADMIN] = routes
     app.router.add_post("/admin/keys", routes.create_key)
     app.router.add_get("/admin/keys", routes.list_keys)
     app.router.add_delete("/admin/keys/{key_id}", routes.revoke_key)

@@ -23,6 +23,8 @@ from redis.exceptions import RedisError
 from proxy.auth import GUEST_TIER
 from proxy.config import Config, ConfigError, load_config
 from proxy.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
+from proxy.ledger import InsufficientCredits, Ledger
+from proxy.pricing import format_credits, parse_credits
 from proxy.redis_process import RedisProcess
 
 __all__ = ["DEFAULT_TIERS", "add_commands", "known_tiers", "redis_url_for"]
@@ -62,6 +64,21 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     show = account_commands.add_parser("show", help="an account and its keys")
     show.add_argument("account", metavar="ACCOUNT")
     _common(show, _show)
+
+    credits = subparsers.add_parser("credits", help="top up, adjust and audit credit balances")
+    credit_commands = credits.add_subparsers(title="credits commands", required=True)
+    add = credit_commands.add_parser("add", help="add credits (negative: an adjustment)")
+    add.add_argument("--account", required=True)
+    add.add_argument("--amount", required=True, metavar="CREDITS",
+                     help="credits, e.g. 10 or 2.5 (exact to 6 decimal places)")
+    add.add_argument("--reason", default="top-up")
+    _common(add, _credits_add)
+    reconcile = credit_commands.add_parser(
+        "reconcile", help="prove from the journal that balances, holds and spend add up")
+    reconcile.add_argument("--account", help="only this account")
+    _common(reconcile, _credits_reconcile)
+    sweep = credit_commands.add_parser("sweep", help="release expired holds now")
+    _common(sweep, _credits_sweep)
 
 
 def _common(parser: argparse.ArgumentParser, action: Action) -> None:
@@ -164,8 +181,44 @@ async def _show(args: argparse.Namespace, config: Config, store: KeyStore) -> in
         print("no such account", file=sys.stderr)
         return EXIT_FAIL
     active = sum(1 for k in view.keys if k.active)
+    balance = await Ledger(store.redis).balance(view.account)
     print(f"account: {view.account}  keys: {len(view.keys)} ({active} active)")
+    print(f"credits: available {format_credits(balance.available)}  held "
+          f"{format_credits(balance.held)}  spent {format_credits(balance.spent)}")
     _print_table(view.keys)
+    return EXIT_OK
+
+
+async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    try:
+        micro = parse_credits(args.amount)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        available = await Ledger(store.redis).credit(
+            args.account, micro, {"reason": args.reason[:200], "actor": "cli",
+                                  "ts": int(time.time())})
+    except InsufficientCredits:
+        print("refused: the adjustment would take the balance below zero", file=sys.stderr)
+        return EXIT_FAIL
+    print(f"{args.account}: added {format_credits(micro)}, available "
+          f"{format_credits(available)} credits")
+    return EXIT_OK
+
+
+async def _credits_reconcile(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    ledger = Ledger(store.redis)
+    accounts = [args.account] if args.account else await ledger.accounts()
+    problems = await ledger.reconcile(accounts)
+    for problem in problems:
+        print(f"MISMATCH {problem}")
+    print(f"reconcile: {len(accounts)} account(s), {len(problems)} problem(s)")
+    return EXIT_FAIL if problems else EXIT_OK
+
+
+async def _credits_sweep(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    print(f"released {await Ledger(store.redis).sweep()} expired hold(s)")
     return EXIT_OK
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import orjson
@@ -11,16 +12,30 @@ from aiohttp import web
 from redis.asyncio import Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from proxy.account_api import add_account_routes
 from proxy.admin_api import add_admin_routes
-from proxy.appkeys import CONFIG, KEYSTORE, LIMITER, LIVE, OPENAPI, REDIS, ROUTER, UPSTREAMS
+from proxy.appkeys import (
+    CONFIG,
+    KEYSTORE,
+    LEDGER,
+    LIMITER,
+    LIVE,
+    OPENAPI,
+    REDIS,
+    ROUTER,
+    SETTLEMENTS,
+    UPSTREAMS,
+)
 from proxy.auth import GUEST_TIER
 from proxy.config import Config
 from proxy.errors import GatewayError
-from proxy.fleet import setup_fleet
+from proxy.fleet import FLEET, setup_fleet
 from proxy.keystore import KeyStore
+from proxy.ledger import Ledger
 from proxy.live import LivePolicies
 from proxy.middleware import gateway_middleware
 from proxy.native_discovery import add_ollama_discovery
@@ -32,6 +47,8 @@ from proxy.translate.ollama import OllamaStyle
 from proxy.translate.openai import OpenAIStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
+
+log = logging.getLogger("proxy")
 
 API_VERSION = "2.0.0"  # the interface version (spec, Versioning); every path begins with /v2
 
@@ -52,7 +69,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         client_max_size=config.policies.requests.chat.max_body_bytes,
     )
     app[CONFIG] = config
-    app[ROUTER] = Router(config.backends)
+    app[ROUTER] = Router(config.backends, config.health)
     app[OPENAPI] = orjson.dumps(
         build_openapi(CHAT_OPERATIONS, title="Inference Gateway", version=API_VERSION)
     )
@@ -62,12 +79,19 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
         app[LIMITER] = RateLimiter(redis_url)
+        app[LEDGER] = Ledger(app[REDIS])
+        app[SETTLEMENTS] = set[asyncio.Task[None]]()
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
-        listener = asyncio.create_task(app[KEYSTORE].listen_for_revocations())
+        tasks = [asyncio.create_task(app[KEYSTORE].listen_for_revocations()),
+                 asyncio.create_task(sweep_holds(app))]
         yield
-        listener.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await listener
+        settling: set[asyncio.Task[None]] = app[SETTLEMENTS]
+        if settling:  # let in-flight settlements finish before the store goes away
+            await asyncio.wait(settling, timeout=10)
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await app[REDIS].aclose()
 
     async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -78,6 +102,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
     app.cleanup_ctx.extend([state_ctx, upstreams_ctx])
     setup_fleet(app)  # health probes, passive ejection, /admin/backends
     add_chat_routes(app)
+    add_account_routes(app)
     app.router.add_get("/v2/openapi.json", openapi_document)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -85,6 +110,19 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
                      tiers=lambda request: set(request.app[LIVE].current.policies.tiers.tiers)
                      - {GUEST_TIER})
     return app
+
+
+async def sweep_holds(app: web.Application) -> None:
+    """Release holds whose worker died before settling them (they carry an expiry)."""
+    while True:
+        interval = min(30.0, app[LIVE].current.policies.prices.hold_ttl_s / 2)
+        await asyncio.sleep(interval)
+        try:
+            released = await app[LEDGER].sweep()
+        except RedisError:
+            continue  # the store is down; the holds wait for the next sweep
+        if released:
+            log.warning("released %d expired credit hold(s) left by a crashed worker", released)
 
 
 def add_chat_routes(app: web.Application) -> None:
@@ -117,12 +155,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: the state store answers and at least one backend may take traffic."""
-    checks: dict[str, bool] = {}
+    """Ready: not draining, the state store answers, and a backend may take traffic."""
+    checks: dict[str, bool] = {"accepting": not request.app[FLEET].draining}
     try:
         checks["redis"] = bool(await request.app[REDIS].ping())
     except Exception:  # any failure to reach the store means not ready; its text is not public
         checks["redis"] = False
+    # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
     checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
     ready = all(checks.values())
     body = {"status": "ready" if ready else "not ready", "checks": checks}

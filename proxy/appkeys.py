@@ -3,11 +3,14 @@ and for the values one request carries from step to step."""
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from redis.asyncio import Redis
 
 from proxy.config import Config
 from proxy.keystore import KeyStore
+from proxy.ledger import Ledger
 from proxy.live import LivePolicies
 from proxy.ratelimit import RateLimiter
 from proxy.translate.base import ChatStyle
@@ -21,6 +24,9 @@ REDIS = web.AppKey("redis", Redis)
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
 LIMITER = web.AppKey("limiter", RateLimiter)
+LEDGER = web.AppKey("ledger", Ledger)
+# Settlements in flight, drained on shutdown.
+SETTLEMENTS: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("settlements")
 OPENAPI = web.AppKey("openapi", bytes)
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware

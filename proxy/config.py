@@ -209,10 +209,47 @@ class TiersPolicy(_Section, frozen=True):
         return STANDARD_GROUP
 
 
+MicroCredits = Annotated[int, msgspec.Meta(ge=0, le=10**12)]
+
+
+class Rates(_Section, frozen=True):
+    """Prices in micro-credits (1 credit = 1,000,000 micro-credits); integers, never floats."""
+
+    prompt_per_1k_tokens: MicroCredits = 0
+    completion_per_1k_tokens: MicroCredits = 0
+    per_1k_characters: MicroCredits = 0  # TTS input
+    per_audio_second: MicroCredits = 0  # ASR
+    per_image: MicroCredits = 0
+    per_video_second: MicroCredits = 0
+
+
+class ModelPrice(Rates, frozen=True):
+    network: Rates | None = None  # network mode's own price, when it differs
+
+
+class PricesPolicy(_Section, frozen=True):
+    """policies/prices.toml: what each model costs; every charge records `version`."""
+
+    version: NonEmpty = "default"
+    default: ModelPrice = ModelPrice()
+    models: dict[str, ModelPrice] = {}
+    # The worst case held for a request that names no completion cap (and whose tier sets none).
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1, le=128_000)] = 4096
+    # A hold left by a crashed worker is released after this long: longer than any request.
+    hold_ttl_s: Annotated[int, msgspec.Meta(ge=1, le=7 * 86400)] = 3600
+
+    def for_model(self, model: str, mode: str) -> Rates:
+        price = self.models.get(model, self.default)
+        if mode == "network" and price.network is not None:
+            return price.network
+        return price
+
+
 class Policies(_Section, frozen=True):
     requests: RequestsPolicy = RequestsPolicy()
     auth: AuthPolicy = AuthPolicy()
     tiers: TiersPolicy = TiersPolicy()
+    prices: PricesPolicy = PricesPolicy()
 
 
 # policies/<name>.toml -> the field of `Policies` it fills.
@@ -220,6 +257,7 @@ POLICY_FILES: dict[str, type[msgspec.Struct]] = {
     "requests.toml": RequestsPolicy,
     "auth.toml": AuthPolicy,
     "tiers.toml": TiersPolicy,
+    "prices.toml": PricesPolicy,
 }
 
 

@@ -32,6 +32,7 @@ class ErrorKind(enum.Enum):
     FORBIDDEN = (403, "forbidden")
     NOT_FOUND = (404, "not_found")
     METHOD_NOT_ALLOWED = (405, "method_not_allowed")
+    CONFLICT = (409, "conflict")
     PAYLOAD_TOO_LARGE = (413, "payload_too_large")
     UNSUPPORTED_MEDIA_TYPE = (415, "unsupported_media_type")
     VALIDATION_ERROR = (422, "validation_error")

@@ -111,6 +111,11 @@ class KeyStore:
         self.listener_connects = 0  # how often the listener has (re)subscribed
 
     @property
+    def redis(self) -> Redis:
+        """The client this store uses (the CLI shares it with the ledger)."""
+        return self._redis
+
+    @property
     def listening(self) -> bool:
         """True while the revocation listener holds a confirmed subscription."""
         return self._listening

@@ -10,6 +10,7 @@ style. A rejected request never reaches an upstream.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,18 +18,24 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from redis.exceptions import RedisError
 
+from proxy import idempotency
 from proxy.appkeys import (
     CONFIG,
+    LEDGER,
     LIMITER,
     LIVE,
+    REDIS,
     REQUEST_ID,
     RESPONSE_HEADERS,
     ROUTER,
+    SETTLEMENTS,
     STYLE,
     UPSTREAMS,
 )
 from proxy.errors import ErrorKind, GatewayError, validation_failed
+from proxy.metering import ChatMeter, Outcome, open_chat_meter
 from proxy.policy import check_access, completion_cap, tier_of
 from proxy.relay import relay_stream
 from proxy.request_body import parse_json_object, read_capped
@@ -57,42 +64,108 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     admission = await app[LIMITER].admit(principal.tier, tier, principal.account)
     request[RESPONSE_HEADERS] = admission.headers()
 
-    cap = app[CONFIG].policies.requests.chat.max_body_bytes
-    call = _parsed(style, parse_json_object(await read_capped(request, cap)))
-    pool = app[ROUTER].chat_pool(call.model)
+    raw = await read_capped(request, app[CONFIG].policies.requests.chat.max_body_bytes)
+    call = _parsed(style, parse_json_object(raw))
+    app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access is judged
     check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
                  mode="network" if call.mode == "network" else "direct")
     mode = _direct_mode(call)
     limit = completion_cap(tier, principal.tier, call.max_tokens)
     if limit is not None and call.max_tokens is None:
         call.openai_body["max_tokens"] = limit
-    # The credit hold goes here: nothing below runs unless the worst case is covered.
     if call.async_:
         raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async chat tasks are not available yet")
 
-    task_id = f"{mode}:{uuid.uuid4()}"
     request_id = request[REQUEST_ID]
+    remembered = await _idempotency_claim(request, principal.account, style.name, raw)
+    if isinstance(remembered, web.Response):
+        return remembered  # a retry: the first result again, nothing run, nothing charged
+    try:
+        meter = await open_chat_meter(app[LEDGER], snapshot.policies.prices, principal, call,
+                                      limit, mode, style.name, request_id)  # 402: nothing runs
+    except GatewayError:
+        if remembered is not None:
+            await remembered.release()
+        raise
+    outcome = Outcome(captured=[] if remembered else None)
+    response: web.StreamResponse | None = None
+    try:
+        response = await _forward(request, style, call, mode, request_id, outcome)
+        return response
+    except asyncio.CancelledError:
+        outcome.status = "client_gone"
+        raise
+    finally:
+        # In its own task: a client that goes away (cancelling this handler, even after its
+        # answer was sent) cannot stop the settlement or the idempotency record.
+        done = asyncio.create_task(_close(meter, outcome, remembered, response))
+        app[SETTLEMENTS].add(done)
+        done.add_done_callback(app[SETTLEMENTS].discard)
+        await asyncio.shield(done)
+
+
+async def _close(meter: ChatMeter, outcome: Outcome, remembered: idempotency.Claim | None,
+                 response: web.StreamResponse | None) -> None:
+    """Settle exactly once; then keep the result for idempotent retries, or give the key back."""
+    await meter.settle(outcome)
+    if remembered is None:
+        return
+    try:
+        if response is None or outcome.status != "completed":
+            await remembered.release()  # nothing charged: a retry runs for real
+        elif isinstance(response, web.Response) and isinstance(response.body, bytes):
+            await remembered.store(response.status, response.content_type, response.body)
+        else:
+            await remembered.store(response.status, response.headers["Content-Type"],
+                                   b"".join(outcome.captured or ()))
+    except RedisError:
+        pass  # the claim expires with its TTL
+
+
+async def _idempotency_claim(request: web.Request, account: str, route: str, raw: bytes
+                             ) -> idempotency.Claim | web.Response | None:
+    try:
+        return await idempotency.claim(request.app[REDIS], account, route, request, raw)
+    except RedisError:
+        raise GatewayError(ErrorKind.UNAVAILABLE, "the idempotency store is unreachable",
+                           headers={"Retry-After": "5"}) from None
+
+
+async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, mode: str,
+                   request_id: str, outcome: Outcome) -> web.StreamResponse:
+    """Route, translate, call the upstream, relay the answer; record the outcome for metering."""
+    app = request.app
+    pool = app[ROUTER].chat_pool(call.model)
+    task_id = f"{mode}:{uuid.uuid4()}"
     headers = {
         "Content-Type": "application/json",
         "Accept": "text/event-stream" if call.stream else "application/json",
         "X-Request-Id": request_id,
     }
-    async with app[UPSTREAMS].call(
-        pool, CHAT_UPSTREAM_PATH,
-        lambda backend: upstream_chat.upstream_body(call.openai_body, call.stream,
-                                                    backend.spec.kind),
-        headers, request.headers,
-    ) as (backend, upstream):
-        if call.stream:
-            chunks = upstream_chat.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
-            response, _result = await relay_stream(
-                request, upstream, chunks, style.encoder(call, task_id),
-                {**admission.headers(), "X-Request-Id": request_id, "X-Task-Id": task_id},
-            )
-            # Metering and settlement of `_result` and `chunks.usage` go here.
-            return response
-        completion = await _read_completion(upstream)
+    try:
+        async with app[UPSTREAMS].call(
+            pool, CHAT_UPSTREAM_PATH,
+            lambda backend: upstream_chat.upstream_body(call.openai_body, call.stream,
+                                                        backend.spec.kind),
+            headers, request.headers,
+        ) as (backend, upstream):
+            if call.stream:
+                outcome.chunks = upstream_chat.ChunkFilter(backend.spec.kind, call.model,
+                                                           call.want_usage)
+                response, result = await relay_stream(
+                    request, upstream, outcome.chunks, style.encoder(call, task_id),
+                    {**request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request_id,
+                     "X-Task-Id": task_id},
+                    capture=outcome.captured,
+                )
+                outcome.status = result.outcome
+                return response
+            completion = await _read_completion(upstream)
+    except GatewayError:
+        outcome.status = "upstream_error"
+        raise
     completion = upstream_chat.fix_response(completion, backend.spec.kind, call.model)
+    outcome.status, outcome.usage = "completed", completion.get("usage")
     return web.Response(
         body=orjson.dumps(style.response(completion, call, task_id, mode)),
         content_type="application/json", headers={"X-Task-Id": task_id},

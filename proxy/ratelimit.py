@@ -21,6 +21,7 @@ from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 from limits.errors import StorageError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.config import TierPolicy
 from proxy.errors import ErrorKind, GatewayError
@@ -72,6 +73,15 @@ class RateLimiter:
             raise _rate_limited(admission, f"the {tier_name} tier allows "
                                 f"{tier.requests_per_minute} requests per minute")
         return admission
+
+    async def peek(self, tier_name: str, tier: TierPolicy, bucket: str) -> Admission:
+        """The window as it stands, without counting a request (raises RedisError if down)."""
+        item = RateLimitItemPerMinute(tier.requests_per_minute)
+        try:
+            stats = await self._limiter.get_window_stats(item, tier_name, bucket)
+        except StorageError as exc:
+            raise RedisConnectionError("rate-limit store unreachable") from exc
+        return _admission(item.amount, stats.remaining, stats.reset_time)
 
     async def _store_down(self, tier_name: str, tier: TierPolicy, bucket: str) -> Admission:
         if tier.store_down == "closed":

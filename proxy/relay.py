@@ -44,8 +44,11 @@ async def relay_stream(
     chunks: ChunkFilter,
     encoder: StreamEncoder,
     headers: Mapping[str, str],
+    capture: list[bytes] | None = None,
 ) -> tuple[web.StreamResponse, StreamResult]:
-    """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client."""
+    """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client.
+
+    `capture`, when given, receives every byte sent (an idempotent request's replay)."""
     response = web.StreamResponse(
         status=200, headers={"Content-Type": encoder.content_type, **STREAM_HEADERS, **headers}
     )
@@ -68,7 +71,7 @@ async def relay_stream(
         async for chunk in upstream.content.iter_any():
             done = take(decoder.feed(chunk))
             if pending:
-                await _send(request, response, b"".join(pending))
+                await _send(request, response, b"".join(pending), capture)
                 pending.clear()
             if done:
                 break
@@ -94,7 +97,7 @@ async def relay_stream(
     tail = pending
     tail.append(encoder.error(result.error) if result.error else encoder.end(chunks.usage))
     try:
-        await _send(request, response, b"".join(tail))
+        await _send(request, response, b"".join(tail), capture)
         await response.write_eof()
     except (ClientGone, ConnectionError):
         return response, StreamResult("client_gone", result.error)
@@ -105,7 +108,10 @@ class ClientGone(Exception):
     """The client closed its connection mid-stream (not an upstream failure)."""
 
 
-async def _send(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+async def _send(request: web.Request, response: web.StreamResponse, data: bytes,
+                capture: list[bytes] | None) -> None:
+    if capture is not None:
+        capture.append(data)
     try:
         if not response.prepared:
             await response.prepare(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from redis.asyncio import Redis
 from proxy.app import build_app
 from proxy.config import KeysPolicy, load_config
 from proxy.keystore import KeyStore
+from proxy.ledger import Ledger
 from proxy.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
@@ -150,3 +152,19 @@ async def gateway(
         return server
 
     yield start
+    await assert_ledger_reconciles(redis_server.url)
+
+
+async def assert_ledger_reconciles(redis_url: str) -> None:
+    """Reconcile runs clean after every test that spends (settlements may still be landing)."""
+    redis = Redis.from_url(redis_url)
+    try:
+        ledger = Ledger(redis)
+        for _ in range(40):
+            problems = await ledger.reconcile()
+            if not problems:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"ledger does not reconcile: {problems}")
+    finally:
+        await redis.aclose()

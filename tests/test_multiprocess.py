@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 
 from proxy.redis_process import RedisProcess
@@ -20,6 +22,14 @@ from tests.test_serve_cli import wait_until_ready
 
 CHAT = "/v2/compat/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+# Only completion tokens cost (10 micro-credits each): a request capped at 100 tokens holds
+# exactly 1000, and one that uses all 100 is charged exactly that.
+PRICES = """
+version = "mp-test"
+hold_ttl_s = 2
+[default]
+completion_per_1k_tokens = 10000
+"""
 
 
 @pytest.fixture
@@ -30,8 +40,9 @@ def two_gateways(tmp_path: Path, clean_redis: RedisProcess
     procs = [subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
                                str(sim_port), "--model", MODEL], env=env)]
     folder = write_config(tmp_path / "config", [{
-        "name": "b0", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL]}],
-        policies={"tiers.toml": tiers(basic=10)})
+        "name": "b0", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL],
+        "forward_headers": ["x-sim-*"]}],
+        policies={"tiers.toml": tiers(basic=10, max_=1000), "prices.toml": PRICES})
     urls = []
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -68,6 +79,7 @@ async def test_limit_and_revocation_hold_across_two_processes(
     urls, sim_url, env, folder = two_gateways
     key = cli(env, folder, "keys", "create", "--account", "acme", "--tier", "basic").split()[0]
     assert key.startswith("igw_sk_")
+    cli(env, folder, "credits", "add", "--account", "acme", "--amount", "1")
 
     async with aiohttp.ClientSession() as session:
         async def one(i: int) -> int:
@@ -95,3 +107,57 @@ async def test_limit_and_revocation_hold_across_two_processes(
             await asyncio.sleep(0.02)
     for log in (folder.parent / "logs").iterdir():
         assert key not in log.read_text(), "a key reached a log"
+
+
+async def test_credits_never_overspent_across_two_processes(
+    two_gateways: tuple[list[str], str, dict[str, str], Path]
+) -> None:
+    urls, sim_url, env, folder = two_gateways
+    key = cli(env, folder, "keys", "create", "--account", "race", "--tier", "max").split()[0]
+    assert "available 0.010000" in cli(env, folder, "credits", "add", "--account", "race",
+                                       "--amount", "0.01")  # exactly 10 x 1000 micro-credits
+    body = {**BODY, "max_tokens": 100}
+    async with aiohttp.ClientSession() as session:
+        async def one(i: int) -> int:
+            async with session.post(urls[i % 2] + CHAT, json=body, headers={
+                    "X-API-Key": key, "x-sim-tokens": "100"}) as response:
+                await response.read()
+                return response.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(100)))
+    assert statuses.count(200) == 10 and statuses.count(402) == 90
+    shown = cli(env, folder, "accounts", "show", "race")
+    assert "available 0.000000" in shown and "spent 0.010000" in shown
+    assert "0 problem(s)" in cli(env, folder, "credits", "reconcile")
+
+
+async def test_a_killed_workers_hold_is_swept(
+    two_gateways: tuple[list[str], str, dict[str, str], Path]
+) -> None:
+    urls, _, env, folder = two_gateways
+    key = cli(env, folder, "keys", "create", "--account", "crash", "--tier", "max").split()[0]
+    cli(env, folder, "credits", "add", "--account", "crash", "--amount", "1")
+    victim = _gateway_pid(urls[0])
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(urls[0] + CHAT, json={**BODY, "stream": True}, headers={
+            "X-API-Key": key, "x-sim-hang-after": "2"})
+        await response.content.readline()  # the request is in flight, its hold taken
+        assert "held 0.000000" not in cli(env, folder, "accounts", "show", "crash")
+        os.kill(victim, signal.SIGKILL)
+        response.close()
+    # The surviving gateway's sweeper releases the hold once it expires (hold_ttl_s = 2).
+    deadline = time.monotonic() + 10
+    while "held 0.000000" not in cli(env, folder, "accounts", "show", "crash"):
+        assert time.monotonic() < deadline, "the orphaned hold was never released"
+        time.sleep(0.3)
+    assert "available 1.000000" in cli(env, folder, "accounts", "show", "crash")
+    assert "0 problem(s)" in cli(env, folder, "credits", "reconcile", "--account", "crash")
+
+
+def _gateway_pid(url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "serve" in cmdline and port in cmdline:
+            return int(proc.info["pid"])
+    raise AssertionError(f"no gateway process listening on {port}")

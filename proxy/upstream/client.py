@@ -5,6 +5,11 @@ body bytes: covers queueing and prefill); idle gap between body chunks once data
 before any response byte are `UpstreamFailure`s that say whether another backend may be tried
 (refused connection, 429, 503); everything maps to 502/503/504 with a public message, never the
 upstream's exception text.
+
+Every exchange also reports its outcome to the backend's health (passive ejection): a refused or
+reset connection, a timeout, a 5xx (or TGI's 424 generation failure), a stream cut or gone silent
+are failures; a complete answer, or a client error the server judged properly (4xx), a success;
+429 (busy, not broken) and a cancelled request (the client went away) count as neither.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
 
 _ERROR_BODY_LIMIT = 64 * 1024
 _MESSAGE_LIMIT = 300
+# Statuses that say nothing about the backend's health: busy, or not our business.
+_NEUTRAL_STATUSES = frozenset({429})
+# Raised inside an exchange by whoever reads the body: the upstream's fault.
+_UPSTREAM_KINDS = frozenset({ErrorKind.UPSTREAM_ERROR, ErrorKind.UPSTREAM_TIMEOUT})
 
 
 class UpstreamFailure(GatewayError):
@@ -48,9 +57,23 @@ class Upstreams:
             skip_auto_headers=("User-Agent",),
             trust_env=False,
         )
+        self._open: set[aiohttp.ClientResponse] = set()  # responses whose body is being relayed
+        self._aborting = False
 
     async def close(self) -> None:
         await self.session.close()
+
+    def abort_open(self) -> int:
+        """Close every upstream response still being read (the drain deadline passed).
+
+        Each relay then sees the upstream break off and ends its stream with one error event,
+        so a client gets a proper end instead of a cut connection. Returns how many.
+        """
+        self._aborting = True
+        open_now = list(self._open)
+        for response in open_now:
+            response.close()
+        return len(open_now)
 
     @asynccontextmanager
     async def call(
@@ -102,24 +125,30 @@ class Upstreams:
                     backend.base_url + path, data=body, headers=headers, allow_redirects=False
                 )
             except aiohttp.ClientConnectorError:
+                backend.record_failure()
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} is unreachable",
                                       retryable=True) from None
             except (aiohttp.ServerTimeoutError, TimeoutError):
+                backend.record_failure()
                 raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
                                       f"backend {backend.name!r} did not answer in time",
                                       retryable=False) from None
             except aiohttp.ServerDisconnectedError:
                 # Closed before any response byte: nothing was generated for this request.
+                backend.record_failure()
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} closed the connection",
                                       retryable=True) from None
             except aiohttp.ClientError:
+                backend.record_failure()
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} sent an unusable response",
                                       retryable=False) from None
+            self._open.add(response)
             try:
                 if response.status >= 400:
+                    _record_status(backend, response.status)
                     raise await _failure_from(backend, response)
                 protocol = response.connection.protocol if response.connection else None
                 if protocol is not None:
@@ -128,15 +157,34 @@ class Upstreams:
                     protocol.read_timeout = self.settings.idle_timeout_s
                     if response.content.total_bytes:
                         protocol.start_timeout()
-                yield response
+                try:
+                    yield response
+                except GatewayError as exc:
+                    if exc.kind in _UPSTREAM_KINDS and not self._aborting:
+                        backend.record_failure()  # the body was unusable or broke off
+                    raise
+                if self._aborting:
+                    pass  # cut by our own drain: says nothing about the backend
+                elif response.content.exception() is not None:
+                    backend.record_failure()  # the stream broke off or went silent
+                else:
+                    backend.record_success()
             except BaseException:
                 # An unfinished body: drop the connection so the upstream stops generating.
                 response.close()
                 raise
             finally:
+                self._open.discard(response)
                 response.release()
         finally:
             backend.outstanding -= 1
+
+
+def _record_status(backend: Backend, status: int) -> None:
+    if status >= 500 or status == 424:  # 424: TGI's "generation failed"
+        backend.record_failure()
+    elif status not in _NEUTRAL_STATUSES:
+        backend.record_success()  # it judged a bad request properly: alive and well
 
 
 async def _failure_from(backend: Backend, response: aiohttp.ClientResponse) -> UpstreamFailure:

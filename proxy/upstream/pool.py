@@ -4,27 +4,52 @@ Pick: the power of two choices on outstanding requests (two weighted random cand
 with fewer requests in flight per unit of weight wins), among backends that are healthy and below
 their concurrency cap. When none is, the answer is an immediate 503 with Retry-After rather than
 a queue that grows without bound.
+
+Healthy means: the supervisor says `ready` (supervised backends only), and this worker's
+`BackendHealth` admits it (not ejected, last probe fine; one request at a time when half-open).
+Outcomes come back through `record_success` / `record_failure` (see `Upstreams.exchange`).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Iterable, Sequence
 
-from proxy.config import CHAT_KINDS, BackendSpec
+from proxy.config import CHAT_KINDS, BackendSpec, HealthSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
+from proxy.upstream.fleet_state import READY, FleetRecord
+from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 
 RETRY_AFTER_S = "1"
 
+# Kinds whose health endpoint is `/`; others default to `/health`. OpenAI-style hosted APIs have
+# no free health endpoint, so they are not probed unless `health_path` says where.
+_ROOT_HEALTH = frozenset({"ollama"})
+_NO_HEALTH = frozenset({"openai"})
+# Kinds that get the deep probe (a one-token chat completion) while their health is in doubt.
+DEEP_PROBE_KINDS = frozenset({"tgi", "vllm", "ollama"})
+
+
+def health_path(spec: BackendSpec) -> str:
+    """The cheap probe's path; "" when probes are off for this backend."""
+    if spec.health_path is not None:
+        return spec.health_path
+    if spec.kind in _NO_HEALTH:
+        return ""
+    return "/" if spec.kind in _ROOT_HEALTH else "/health"
+
 
 class Backend:
-    """One upstream server as this worker sees it: its spec and its live counters."""
+    """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("auth", "base_url", "forward", "healthy", "name", "outstanding", "spec")
+    __slots__ = ("auth", "base_url", "forward", "health", "max_ejected_ratio", "name",
+                 "outstanding", "peers", "record", "spec", "supervised")
 
-    def __init__(self, spec: BackendSpec) -> None:
+    def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
+        settings = settings or HealthSection()
         self.spec = spec
         self.name = spec.name
         self.base_url = spec.url.rstrip("/")
@@ -32,7 +57,40 @@ class Backend:
         key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
         self.auth = {"authorization": f"Bearer {key}"} if key else {}
         self.outstanding = 0
-        self.healthy = True
+        probed = bool(health_path(spec))
+        self.health = BackendHealth(
+            EjectionPolicy(settings.consecutive_failures, settings.ejection_base_s,
+                           settings.ejection_max_s),
+            deep_available=probed and spec.kind in DEEP_PROBE_KINDS,
+        )
+        self.max_ejected_ratio = settings.max_ejected_ratio
+        self.supervised = spec.command is not None
+        self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
+        self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
+
+    @property
+    def ready(self) -> bool:
+        """Not supervised, or its supervisor reports it ready."""
+        return not self.supervised or (self.record is not None and self.record.state == READY)
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and self.health.admits(time.monotonic(), self.outstanding)
+
+    def record_success(self) -> None:
+        self.health.record_success(time.monotonic())
+
+    def record_failure(self) -> bool:
+        """Count an upstream failure; True when it ejected this backend."""
+        return self.health.record_failure(time.monotonic(), may_eject=self._may_eject())
+
+    def _may_eject(self) -> bool:
+        pools = self.peers or ((self,),)
+        return all(
+            ejection_allowed(sum(1 for b in pool if b is not self and b.health.ejected),
+                             len(pool), self.max_ejected_ratio)
+            for pool in pools
+        )
 
     @property
     def available(self) -> bool:
@@ -77,14 +135,17 @@ class Pool:
 class Router:
     """Model name -> pool, per task family, built once from backends.toml."""
 
-    def __init__(self, specs: Iterable[BackendSpec]) -> None:
-        self.backends = tuple(Backend(spec) for spec in specs)
+    def __init__(self, specs: Iterable[BackendSpec], health: HealthSection | None = None) -> None:
+        self.backends = tuple(Backend(spec, health) for spec in specs)
         by_model: dict[str, list[Backend]] = {}
         for backend in self.backends:
             if backend.spec.kind in CHAT_KINDS:
                 for model in backend.spec.models:
                     by_model.setdefault(model, []).append(backend)
         self._chat = {model: Pool(model, group) for model, group in by_model.items()}
+        for backend in self.backends:  # the ejection cap is counted per pool
+            backend.peers = tuple(pool.backends for pool in self._chat.values()
+                                  if backend in pool.backends)
         self._all_models = frozenset(m for b in self.backends for m in b.spec.models)
 
     def chat_pool(self, model: str) -> Pool:

@@ -1,0 +1,105 @@
+"""Credit arithmetic: holds, costs, usage, and credit amounts as people write them. Pure.
+
+Money is integer micro-credits (1 credit = 1,000,000). Rounding has one rule: a request's cost
+is computed exactly as (tokens * price per 1k) summed over its parts, then divided by 1000 and
+rounded UP once, per request. A charge never exceeds the request's hold.
+
+The hold is the worst case: an upper bound on the prompt (its UTF-8 byte count: no tokenizer
+makes more tokens than bytes) plus the completion cap for each of the `n` choices.
+When a stream is cut before the upstream reports usage, the charge is an estimate: the prompt at
+4 characters a token, and one completion token per content chunk delivered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from proxy.config import Rates
+
+MICRO = 1_000_000
+PER_MESSAGE_OVERHEAD = 8  # role and separators around each message
+CHARS_PER_TOKEN_ESTIMATE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ChatUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    estimated: bool = False  # True when counted by the gateway rather than reported upstream
+
+
+def chat_cost(rates: Rates, usage: ChatUsage) -> int:
+    exact = (usage.prompt_tokens * rates.prompt_per_1k_tokens
+             + usage.completion_tokens * rates.completion_per_1k_tokens)
+    return -(-exact // 1000)
+
+
+def chat_hold(rates: Rates, body: dict[str, Any], max_tokens: int) -> int:
+    choices = body.get("n")
+    n = choices if isinstance(choices, int) and choices > 0 else 1
+    return chat_cost(rates, ChatUsage(prompt_upper_bound(body), max_tokens * n))
+
+
+def prompt_upper_bound(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    count = len(messages) if isinstance(messages, list) else 0
+    return sum(len(text.encode()) for text in _texts(body)) + PER_MESSAGE_OVERHEAD * count
+
+
+def prompt_estimate(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    count = len(messages) if isinstance(messages, list) else 0
+    chars = sum(len(text) for text in _texts(body))
+    return -(-chars // CHARS_PER_TOKEN_ESTIMATE) + 4 * count
+
+
+def usage_from(reported: object) -> ChatUsage | None:
+    """The upstream's OpenAI-style usage (`completion_tokens` already includes reasoning)."""
+    if not isinstance(reported, dict):
+        return None
+    prompt, completion = reported.get("prompt_tokens"), reported.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return ChatUsage(max(0, prompt), max(0, completion))
+
+
+def parse_credits(text: str) -> int:
+    """'12.5' credits -> 12_500_000 micro-credits; exact (no floats); at most 6 decimals."""
+    try:
+        amount = Decimal(text.strip())
+    except InvalidOperation:
+        raise ValueError(f"not a number of credits: {text!r}") from None
+    micro = amount * MICRO
+    if not amount.is_finite() or micro != micro.to_integral_value():
+        raise ValueError("credits have at most 6 decimal places")
+    return int(micro)
+
+
+def format_credits(micro: int) -> str:
+    sign = "-" if micro < 0 else ""
+    whole, frac = divmod(abs(micro), MICRO)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+def _texts(body: dict[str, Any]) -> Iterable[str]:
+    """Every piece of text the prompt carries: message contents, tool calls, tool schemas."""
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    yield part["text"]
+        for call in message.get("tool_calls") or ():
+            if isinstance(call, dict):
+                yield str(call.get("function", ""))
+    tools = body.get("tools")
+    if tools:
+        yield str(tools)

@@ -38,6 +38,7 @@ from proxy.keystore import KeyStore
 from proxy.ledger import Ledger
 from proxy.live import LivePolicies
 from proxy.middleware import gateway_middleware
+from proxy.models_api import list_models
 from proxy.native_discovery import add_ollama_discovery
 from proxy.openapi import CHAT_OPERATIONS, build_openapi
 from proxy.pipeline import chat_route
@@ -45,6 +46,7 @@ from proxy.ratelimit import RateLimiter
 from proxy.translate.anthropic import AnthropicStyle
 from proxy.translate.ollama import OllamaStyle
 from proxy.translate.openai import OpenAIStyle
+from proxy.translate.served import ServedStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
 
@@ -103,6 +105,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
     setup_fleet(app)  # health probes, passive ejection, /admin/backends
     add_chat_routes(app)
     add_account_routes(app)
+    app.router.add_get("/v2/models", list_models)
     app.router.add_get("/v2/openapi.json", openapi_document)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -128,6 +131,7 @@ async def sweep_holds(app: web.Application) -> None:
 def add_chat_routes(app: web.Application) -> None:
     """Every chat style, each through the same pipeline (auth, limits, credits, relay)."""
     app.router.add_post("/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()))
+    app.router.add_post("/v2/served/v1/chat/completions", chat_route(ServedStyle()))
     messages = chat_route(AnthropicStyle())
     app.router.add_post("/v2/messages/v1/messages", messages)
     native = chat_route(OllamaStyle())

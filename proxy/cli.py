@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(serve)
     serve.add_argument("--host", help="listen address (default: [gateway] host)")
     serve.add_argument("--port", type=int, help="listen port (default: [gateway] port)")
+    serve.add_argument("--workers", type=_positive, metavar="N",
+                       help="HTTP worker processes (default: [gateway] workers, else one per CPU)")
     serve.set_defaults(handler=_serve)
 
     check = commands.add_parser("check-config", help="validate backends.toml and policies/")
@@ -72,7 +74,14 @@ def _serve(args: argparse.Namespace) -> int:
     config = _load(args)
     if config is None:
         return 1
-    return serve(config, host=args.host, port=args.port)
+    return serve(config, host=args.host, port=args.port, workers=args.workers)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -61,12 +61,12 @@ class Fleet:
         if self.in_flight == 0:
             self._idle.set()
 
-    async def drain(self, timeout: float) -> None:
-        """Refuse new requests; wait for running ones up to `timeout`, then cut their upstreams."""
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new requests; wait for running ones up to `deadline_s`, then cut upstreams."""
         self.draining = True
-        log.info("draining: %d request(s) in flight, up to %.0f s", self.in_flight, timeout)
+        log.info("draining: %d request(s) in flight, up to %.0f s", self.in_flight, deadline_s)
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), deadline_s)
             return
         except TimeoutError:
             pass
@@ -129,7 +129,8 @@ async def list_backends(request: web.Request) -> web.Response:
     state, pid and restarts are the master's)."""
     await require_admin(request)
     backends = request.app[ROUTER].backends
-    body = {"object": "list", "worker_pid": os.getpid(), "data": [backend_view(b) for b in backends]}
+    body = {"object": "list", "worker_pid": os.getpid(),
+            "data": [backend_view(b) for b in backends]}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 

@@ -77,7 +77,9 @@ class Master:
                      len(supervisor.backends))
         finally:
             await supervisor.stop()
+            log.info("DBG before aclose")
             await redis.aclose()
+            log.info("DBG after aclose")
         return 0
 
     def _on_stop_signal(self) -> None:

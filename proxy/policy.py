@@ -18,18 +18,29 @@ def tier_of(tiers: TiersPolicy, name: str) -> TierPolicy:
     return tier
 
 
-def check_access(tiers: TiersPolicy, tier_name: str, *, family: str, model: str, mode: str
-                 ) -> None:
-    """403 naming what the tier lacks: the task family, the model's group, or the mode."""
-    tier = tier_of(tiers, tier_name)
+def denial(tiers: TiersPolicy, tier_name: str, *, family: str, model: str, mode: str
+           ) -> str | None:
+    """What the tier lacks for this use (the task family, the model's group, or the mode)."""
+    tier = tiers.tiers.get(tier_name)
+    if tier is None:
+        return f"tier {tier_name!r} is not configured on this gateway"
     if family not in tier.families:
-        raise _forbidden(f"the {tier_name} tier does not include {FAMILY_NAMES[family]}")
+        return f"the {tier_name} tier does not include {FAMILY_NAMES[family]}"
     group = tiers.group_of(model)
     modes = set(tier.models.get(group, ())) | set(tier.models.get(ANY_GROUP, ()))
     if not modes:
-        raise _forbidden(f"the {tier_name} tier may not use model group {group!r}")
+        return f"the {tier_name} tier may not use model group {group!r}"
     if mode not in modes:
-        raise _forbidden(f"the {tier_name} tier may not use model group {group!r} in {mode} mode")
+        return f"the {tier_name} tier may not use model group {group!r} in {mode} mode"
+    return None
+
+
+def check_access(tiers: TiersPolicy, tier_name: str, *, family: str, model: str, mode: str
+                 ) -> None:
+    """403 naming what the tier lacks."""
+    reason = denial(tiers, tier_name, family=family, model=model, mode=mode)
+    if reason is not None:
+        raise _forbidden(reason)
 
 
 def completion_cap(tier: TierPolicy, tier_name: str, requested: int | None) -> int | None:

@@ -26,8 +26,6 @@ from proxy.config import Config
 from proxy.master import WORKER_ENV, WorkerSpec, run_master
 from proxy.redis_process import RedisProcess
 
-log = logging.getLogger("proxy")
-
 _SHUTDOWN_TIMEOUT_S = 2.0  # after the drain: closing idle keep-alive connections
 
 

@@ -366,6 +366,72 @@ def test_error_body_types(kind: ErrorKind, expected: str) -> None:
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
 
 
+# ---- pure: request translation details --------------------------------------------------
+
+
+def test_request_translation_details() -> None:
+    call = AnthropicStyle().parse({
+        "model": MODEL, "max_tokens": 50, "stream": True, "stop_sequences": ["END"],
+        "metadata": {"user_id": "u-1"}, "thinking": {"type": "disabled"}, "mode": "direct",
+        "tools": [WEATHER], "tool_choice": {"type": "any"}, "cache_control": {"type": "ephemeral"},
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": "iVBORw0K"}},
+                {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}},
+                {"type": "text", "text": "What is this?"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": ""},
+                {"type": "tool_use", "id": "toolu_call_1", "name": "get_weather",
+                 "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_call_1", "is_error": True,
+                 "content": [{"type": "text", "text": "no"},
+                             {"type": "image", "source": {"type": "url",
+                                                          "url": "https://x.test/m.png"}}]}]},
+        ]})
+    assert call.stream and call.mode == "direct" and call.max_tokens == 50
+    assert call.extras == {"stop_sequences": ("END",)}
+    body = call.openai_body
+    assert body["stop"] == ["END"] and body["user"] == "u-1" and body["stream"] is True
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["tool_choice"] == "required" and "mode" not in body
+    assert body["messages"] == [
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}},
+            {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}},
+            {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [  # thinking dropped
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "no"},
+        # a tool message holds text only: the result's image follows as a user message
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://x.test/m.png"}}]},
+    ]
+
+
+@pytest.mark.parametrize(("thinking", "enabled"), [
+    ({"type": "enabled", "budget_tokens": 2048}, True), ({"type": "adaptive"}, True),
+    ({"type": "disabled"}, False)])
+def test_thinking_modes(thinking: dict[str, Any], enabled: bool) -> None:
+    call = AnthropicStyle().parse({"model": MODEL, "max_tokens": 9, "messages": HELLO,
+                                   "thinking": thinking})
+    assert call.openai_body["chat_template_kwargs"] == {"enable_thinking": enabled}
+    assert "budget_tokens" not in orjson.dumps(call.openai_body).decode()
+
+
+def test_tool_ids_stay_unique_within_a_message() -> None:
+    """TGI numbers every call "0": the second one still gets an id of its own."""
+    calls = [{"id": "0", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "0", "type": "function", "function": {"name": "g", "arguments": "[1]"}}]
+    out = to_message({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": None, "tool_calls": calls}}]}, MODEL, ())
+    assert [b["id"] for b in out["content"]] == ["toolu_0", "toolu_0_1"]
+    assert out["content"][1]["input"] == {"raw_arguments": "[1]"}  # not an object: kept as text
+    assert out["stop_reason"] == "tool_use" and out["id"].startswith("msg_")
+
+
 # ---- properties: Anthropic request -> OpenAI body -> (inverse) ------------------------------
 
 words = st.text(st.characters(codec="utf-8"), max_size=12)

@@ -471,6 +471,29 @@ def test_error_renderings() -> None:
                                                        "detail": detail}
 
 
+def test_tool_arguments_that_are_not_an_object_are_an_upstream_error() -> None:
+    style = OllamaStyle()
+    call = style.parse({"model": MODEL, "messages": HELLO})
+    bad: dict[str, Any] = {"id": "c1", "type": "function",
+                           "function": {"name": "f", "arguments": "[1, 2"}}
+    completion = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None, "tool_calls": [bad]}}]}
+    with pytest.raises(GatewayError) as caught:
+        style.response(completion, call, "direct:x", "direct")
+    assert caught.value.kind is ErrorKind.UPSTREAM_ERROR
+    # Streamed, the calls go out when the stream ends (here without a finish_reason): the
+    # broken call becomes the in-stream error instead of a done line.
+    encoder = style.encoder(call, "direct:x")
+    fragment = {"index": 0, **bad, "function": {**bad["function"], "arguments": "[1"}}
+    out = encoder.chunk(orjson.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}]}))
+    out += encoder.chunk(orjson.dumps({"choices": [{"index": 0,
+                                                    "delta": {"tool_calls": [fragment]}}]}))
+    out += encoder.end(None)
+    lines = ndjson(out)
+    assert lines[0]["message"]["content"] == "a" and set(lines[-1]) == {"error"}
+    assert len(lines) == 2
+
+
 @pytest.mark.parametrize(("body", "loc"), [
     ({"model": MODEL}, ["body", "messages"]),
     ({"messages": HELLO}, ["body", "model"]),

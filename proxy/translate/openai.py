@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.errors import GatewayError
+from proxy.schemas import ChatRequest
 from proxy.sse import DONE_FRAME, frame
 from proxy.translate.base import ChatCall, ChatStyle, StreamEncoder
 from proxy.validate import validate_chat
@@ -19,7 +20,10 @@ class OpenAIStyle(ChatStyle):
     name = "openai"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        request = validate_chat(body)
+        return self.call_for(validate_chat(body), body)
+
+    @staticmethod
+    def call_for(request: ChatRequest, body: dict[str, Any]) -> ChatCall:
         return ChatCall(
             model=request.model,
             openai_body=body,

@@ -137,7 +137,7 @@ class FleetSync:
 
     async def read_once(self) -> None:
         try:
-            raw: dict[bytes, bytes] = await self.redis.hgetall(self.key)  # type: ignore[misc]
+            raw: dict[bytes | str, bytes | str] = await self.redis.hgetall(self.key)
         except (RedisError, OSError) as exc:
             if not self._redis_down:  # keep the last known states until Redis is back
                 log.warning("cannot read backend states from Redis (%s)", type(exc).__name__)
@@ -145,7 +145,7 @@ class FleetSync:
             return
         self._redis_down = False
         for backend in self.backends:
-            value = raw.get(backend.name.encode())
+            value = raw.get(backend.name.encode(), raw.get(backend.name))
             record = FleetRecord.decode(value) if value is not None else None
             if record is not None and record.state == READY:
                 seen = self._ready_pid.get(backend.name)

@@ -40,7 +40,7 @@ from proxy.live import LivePolicies
 from proxy.middleware import gateway_middleware
 from proxy.models_api import list_models
 from proxy.native_discovery import add_ollama_discovery
-from proxy.openapi import CHAT_OPERATIONS, build_openapi
+from proxy.openapi import GATEWAY_OPERATIONS, build_openapi
 from proxy.pipeline import chat_route
 from proxy.ratelimit import RateLimiter
 from proxy.translate.anthropic import AnthropicStyle
@@ -73,7 +73,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends, config.health)
     app[OPENAPI] = orjson.dumps(
-        build_openapi(CHAT_OPERATIONS, title="Inference Gateway", version=API_VERSION)
+        build_openapi(GATEWAY_OPERATIONS, title="Inference Gateway", version=API_VERSION)
     )
 
     async def state_ctx(app: web.Application) -> AsyncIterator[None]:

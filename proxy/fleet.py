@@ -114,7 +114,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         if sync.backends:
             await sync.read_once()
-            tasks.append(asyncio.create_task(sync.run()))
+            tasks.append(asyncio.create_task(sync.run(prober)))
         await prober.first_round()
         tasks.append(asyncio.create_task(prober.run()))
         yield

@@ -28,7 +28,7 @@ import msgspec
 
 from proxy.config import Config
 from proxy.upstream.fleet_state import RestartBackoff
-from proxy.upstream.supervisor import Supervisor, terminate, tie_to_parent
+from proxy.upstream.supervisor import Supervisor, terminate, tie_to_parent, wait_event
 
 log = logging.getLogger("proxy.master")
 
@@ -77,9 +77,7 @@ class Master:
                      len(supervisor.backends))
         finally:
             await supervisor.stop()
-            log.info("DBG before aclose")
             await redis.aclose()
-            log.info("DBG after aclose")
         return 0
 
     def _on_stop_signal(self) -> None:
@@ -114,8 +112,7 @@ class Master:
             delay = backoff.exited(time.monotonic())
             log.warning("worker %d exited (code %s); starting a replacement in %.1f s",
                         index, code, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay)
+            await wait_event(self._stop, delay)
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         spec = WorkerSpec(config=self.config, host=self.host, port=self.port,

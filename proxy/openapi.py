@@ -20,6 +20,9 @@ from proxy.schemas import (
     ErrorBody,
     ValidationErrorBody,
 )
+from proxy.schemas_anthropic import MessagesRequest
+from proxy.schemas_ollama import OllamaChatRequest
+from proxy.schemas_served import ServedChatRequest
 
 __all__ = ["API_KEY", "BEARER", "CHAT_OPERATIONS", "ERROR_RESPONSES", "Operation",
            "ResponseSpec", "build_openapi"]
@@ -163,5 +166,61 @@ CHAT_OPERATIONS: Final[tuple[Operation, ...]] = (
         },
         tags=("chat",),
         security=(API_KEY, BEARER),
+    ),
+)
+
+NDJSON = "application/x-ndjson"
+
+# Every route the gateway serves: the chat styles, the model list and the account routes.
+GATEWAY_OPERATIONS: Final[tuple[Operation, ...]] = (
+    *CHAT_OPERATIONS,
+    Operation(
+        method="POST", path="/v2/served/v1/chat/completions",
+        summary="Chat completion, vLLM style (OpenAI fields plus vLLM's extensions)",
+        description="The compat request plus vLLM's sampling, template and structured-output "
+                    "fields; they reach vLLM backends only. Streams as the compat route does.",
+        request=ServedChatRequest,
+        responses={200: ("Chat completion, or an SSE stream", ChatResponse, (JSON, SSE)),
+                   **ERROR_RESPONSES},
+        tags=("chat",), security=(API_KEY, BEARER),
+    ),
+    Operation(
+        method="POST", path="/v2/messages/v1/messages",
+        summary="Chat, Anthropic Messages style",
+        description="Anthropic's Messages API (`x-api-key`, `anthropic-version` accepted); "
+                    "streams the full named-event sequence. Errors use Anthropic's shape.",
+        request=MessagesRequest,
+        responses={200: ("A message, or an SSE stream of named events", None, (JSON, SSE)),
+                   **ERROR_RESPONSES},
+        tags=("chat",), security=(API_KEY, BEARER),
+    ),
+    Operation(
+        method="POST", path="/v2/native/api/chat",
+        summary="Chat, Ollama style (also at /api/native/chat)",
+        description="Ollama's /api/chat: NDJSON streaming on by default, the final line with "
+                    "`done`, `done_reason`, counts and durations in nanoseconds.",
+        request=OllamaChatRequest,
+        responses={200: ("One object, or an NDJSON stream", None, (JSON, NDJSON)),
+                   **ERROR_RESPONSES},
+        tags=("chat",), security=(API_KEY, BEARER),
+    ),
+    Operation(
+        method="GET", path="/v2/models", summary="List current models",
+        description="What the gateway serves, OpenAI list style, with each model's modes, task "
+                    "family, the tiers that may use it, its price and whether it is healthy.",
+        request=None, responses={200: ("Model list", None, JSON), 401: ERROR_RESPONSES[401]},
+        tags=("models",), security=(API_KEY, BEARER),
+    ),
+    Operation(
+        method="GET", path="/v2/account", summary="Your tier, balance and rate limit left",
+        request=None, responses={200: ("Account", None, JSON), 401: ERROR_RESPONSES[401]},
+        tags=("account",), security=(API_KEY, BEARER), auth_optional=False,
+    ),
+    Operation(
+        method="GET", path="/v2/account/usage",
+        summary="Usage: totals, per model, per day, and the journal (paginated)",
+        description="Query: `limit` (1-200), `before` (the `next_before` of the previous page).",
+        request=None, responses={200: ("Usage", None, JSON), 401: ERROR_RESPONSES[401]},
+        tags=("account",), security=(API_KEY, BEARER), auth_optional=False,
     ),
 )

@@ -129,6 +129,12 @@ async def test_openapi_document_describes_the_chat_route(setup: Any) -> None:
     assert "422" in operation["responses"]
     schemas = doc["components"]["schemas"]
     assert "ChatRequest" in schemas and "temperature" in schemas["ChatRequest"]["properties"]
+    assert {"/v2/served/v1/chat/completions", "/v2/messages/v1/messages", "/v2/native/api/chat",
+            "/v2/models", "/v2/account", "/v2/account/usage"} <= set(doc["paths"])
+    assert {"MessagesRequest", "OllamaChatRequest", "ServedChatRequest"} <= set(schemas)
+    from openapi_spec_validator import validate
+
+    validate(doc)
 
 
 async def test_health_endpoints(setup: Any) -> None:

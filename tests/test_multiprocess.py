@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -137,13 +138,18 @@ async def test_a_killed_workers_hold_is_swept(
     urls, _, env, folder = two_gateways
     key = cli(env, folder, "keys", "create", "--account", "crash", "--tier", "max").split()[0]
     cli(env, folder, "credits", "add", "--account", "crash", "--amount", "1")
-    victim = _gateway_pid(urls[0])
+    victim = psutil.Process(_gateway_pid(urls[0]))
     async with aiohttp.ClientSession() as session:
         response = await session.post(urls[0] + CHAT, json={**BODY, "stream": True}, headers={
             "X-API-Key": key, "x-sim-hang-after": "2"})
+        assert response.status == 200, await response.read()
         await response.content.readline()  # the request is in flight, its hold taken
         assert "held 0.000000" not in cli(env, folder, "accounts", "show", "crash")
-        os.kill(victim, signal.SIGKILL)
+        # A crash, not a shutdown: the processes serving requests die first, without a chance
+        # to settle (a master that dies first would let its workers drain gracefully).
+        for proc in [*victim.children(recursive=True), victim]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)
         response.close()
     # The surviving gateway's sweeper releases the hold once it expires (hold_ttl_s = 2).
     deadline = time.monotonic() + 10

@@ -88,3 +88,35 @@ def test_openai_client_through_served_gateway_with_embedded_redis(
     while (data_dir / "redis" / "redis.sock").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not (data_dir / "redis" / "redis.sock").exists()
+
+
+def test_sighup_reloads_policies_and_refuses_a_bad_file(
+    stack: tuple[str, subprocess.Popen[bytes], Path, Path]
+) -> None:
+    base, gateway, _, folder = stack
+    created = subprocess.run(
+        [sys.executable, "-m", "proxy", "keys", "create", "--account", "hup", "--tier", "basic",
+         "--config", str(folder)], capture_output=True, text=True, timeout=30, check=True)
+    key = created.stdout.split()[0]
+
+    def limit() -> str:
+        response = httpx.get(f"{base}/v2/account", headers={"X-API-Key": key}, timeout=5)
+        return response.headers["X-RateLimit-Limit"]
+
+    def wait_for(expected: str) -> None:
+        deadline = time.monotonic() + 10
+        while limit() != expected:
+            assert time.monotonic() < deadline, f"limit never became {expected}"
+            time.sleep(0.1)
+
+    assert limit() == "20"  # the default basic tier
+    tiers = folder / "policies" / "tiers.toml"
+    tiers.write_text('[tiers.guest]\nrequests_per_minute = 3\nfamilies = ["chat"]\n'
+                     'models = { "*" = ["direct"] }\n[tiers.basic]\nrequests_per_minute = 7\n'
+                     'families = ["chat"]\nmodels = { standard = ["direct"] }\n')
+    gateway.send_signal(signal.SIGHUP)
+    wait_for("7")
+    tiers.write_text("[tiers.basic]\nrequests_per_minute = 'many'\n")
+    gateway.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert limit() == "7" and gateway.poll() is None  # refused: the old policy stays in force

@@ -65,12 +65,19 @@ def fix_response(body: dict[str, Any], kind: str, model: str) -> dict[str, Any]:
             has_tools = isinstance(message, dict) and bool(message.get("tool_calls"))
             if isinstance(message, dict) and has_tools:
                 message.setdefault("content", None)
+                for call in message["tool_calls"]:
+                    if isinstance(call, dict):
+                        call["id"] = new_call_id()  # TGI numbers every call "0"
             choice["finish_reason"] = _finish(choice.get("finish_reason"), has_tools)
     return body
 
 
 def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _finish(reason: object, saw_tool_calls: bool) -> object:
@@ -88,14 +95,15 @@ class ChunkFilter:
     it) and how many content chunks were delivered, for an estimate when a stream is cut.
     """
 
-    __slots__ = ("_completion_id", "_kind", "_model", "_tool_choices", "chunks", "finished",
-                 "usage", "want_usage")
+    __slots__ = ("_call_ids", "_completion_id", "_kind", "_model", "_tool_choices", "chunks",
+                 "finished", "usage", "want_usage")
 
     def __init__(self, kind: str, model: str, want_usage: bool) -> None:
         self._kind = kind
         self._model = model
         self._completion_id = new_completion_id()
         self._tool_choices: set[int] = set()
+        self._call_ids: dict[tuple[int, object], str] = {}
         self.want_usage = want_usage
         self.usage: dict[str, Any] | None = None
         self.chunks = 0
@@ -136,6 +144,7 @@ class ChunkFilter:
             delta = choice.get("delta")
             if isinstance(delta, dict) and delta.get("tool_calls") and isinstance(index, int):
                 self._tool_choices.add(index)
+                self._name_tool_calls(index, delta["tool_calls"])
             reason = choice.get("finish_reason")
             if reason is not None:
                 self.finished = True
@@ -143,6 +152,16 @@ class ChunkFilter:
         if choices:
             self.chunks += 1
         return orjson.dumps(chunk)
+
+
+    def _name_tool_calls(self, choice: int, calls: object) -> None:
+        """TGI repeats id "0" for every call and fragment: one fresh id per (choice, call)."""
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict) and "id" in call:
+                key = (choice, call.get("index", 0))
+                if key not in self._call_ids:
+                    self._call_ids[key] = new_call_id()
+                call["id"] = self._call_ids[key]
 
 
 def _parse(data: bytes) -> dict[str, Any]:

@@ -10,9 +10,10 @@ pool may be out at once is the pool's business (`ejection_allowed`); the caller 
 
 Active (TGI's two tiers, reliability U6): the cheap probe (`GET /health`) while recent traffic
 succeeds, a tiny real generation while health is in doubt: after a failure, after the cheap probe
-recovers, and as the half-open trial. So a server whose `/health` says OK while every generation
-fails is still taken out. Any failed probe takes the backend out until a conclusive success: a
-deep probe, or the cheap one for a backend that has no deep probe.
+recovers, as the half-open trial, and before a newly started process gets its first request. So
+a server whose `/health` says OK while every generation fails is still taken out. Any failed
+probe takes the backend out until a conclusive success: a deep probe, or the cheap one for a
+backend that has no deep probe.
 
 Times are `time.monotonic()` seconds passed in by the caller, so tests drive the clock.
 """
@@ -55,20 +56,22 @@ class BackendHealth:
     __slots__ = ("cheap_ok", "consecutive_failures", "deep_available", "ejected_until",
                  "ejections", "in_doubt", "last_probe", "policy", "probe_down", "readmitted_at")
 
-    def __init__(self, policy: EjectionPolicy, *, deep_available: bool) -> None:
+    def __init__(self, policy: EjectionPolicy, *, deep_available: bool,
+                 verified: bool = True) -> None:
         self.policy = policy
         self.deep_available = deep_available
-        self.reset()
+        self.reset(verified=verified)
 
-    def reset(self) -> None:
-        """A clean slate (a supervised backend was replaced by a new process)."""
+    def reset(self, *, verified: bool = True) -> None:
+        """A clean slate. `verified=False` (a process that just started): out of rotation until
+        a conclusive probe succeeds, so a new server's first request is never a user's."""
         self.consecutive_failures = 0
         self.ejections = 0  # ejections in a row: the exponent of the next cool-down
         self.ejected_until: float | None = None  # set while ejected or half-open
         self.readmitted_at: float | None = None
-        self.probe_down = False  # the last conclusive probe failed
+        self.probe_down = not verified  # the last conclusive probe failed (or none ran yet)
         self.cheap_ok = True  # the last cheap probe answered OK
-        self.in_doubt = False  # recent failure or recovery: the next probe is a real generation
+        self.in_doubt = not verified  # the next probe is a real generation
         self.last_probe: tuple[Probe, bool] | None = None
 
     # -- routing -------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
     __slots__ = ("auth", "base_url", "forward", "health", "max_ejected_ratio", "name",
-                 "outstanding", "peers", "record", "spec", "supervised")
+                 "outstanding", "peers", "probed", "record", "spec", "supervised")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -57,16 +57,24 @@ class Backend:
         key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
         self.auth = {"authorization": f"Bearer {key}"} if key else {}
         self.outstanding = 0
-        probed = bool(health_path(spec))
+        self.supervised = spec.command is not None
+        self.probed = bool(health_path(spec))
         self.health = BackendHealth(
             EjectionPolicy(settings.consecutive_failures, settings.ejection_base_s,
                            settings.ejection_max_s),
-            deep_available=probed and spec.kind in DEEP_PROBE_KINDS,
+            deep_available=self.probed and spec.kind in DEEP_PROBE_KINDS,
+            verified=self.fresh_verified,
         )
         self.max_ejected_ratio = settings.max_ejected_ratio
-        self.supervised = spec.command is not None
         self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
+
+    @property
+    def fresh_verified(self) -> bool:
+        """Whether a new process of this backend may take traffic before its first probe: a
+        process the gateway started is proven by a probe first (if it has one); a server it
+        merely fronts is assumed up, as it usually is, until something says otherwise."""
+        return not (self.supervised and self.probed)
 
     @property
     def ready(self) -> bool:

@@ -135,29 +135,35 @@ class FleetSync:
         self._redis_down = False
         self._ready_pid: dict[str, int | None] = {}  # the process last seen ready, per backend
 
-    async def read_once(self) -> None:
+    async def read_once(self) -> list[Backend]:
+        """Take in the records; returns the backends whose process just became ready."""
         try:
             raw: dict[bytes | str, bytes | str] = await self.redis.hgetall(self.key)
         except (RedisError, OSError) as exc:
             if not self._redis_down:  # keep the last known states until Redis is back
                 log.warning("cannot read backend states from Redis (%s)", type(exc).__name__)
             self._redis_down = True
-            return
+            return []
         self._redis_down = False
+        fresh = []
         for backend in self.backends:
             value = raw.get(backend.name.encode(), raw.get(backend.name))
             record = FleetRecord.decode(value) if value is not None else None
             if record is not None and record.state == READY:
-                seen = self._ready_pid.get(backend.name)
-                if seen is not None and seen != record.pid:
-                    backend.health.reset()  # a new process: the old one's failures aren't its
+                if self._ready_pid.get(backend.name, 0) != record.pid:
+                    # A new process: the old one's failures are not its own, and it is proven
+                    # by a probe before it gets a request.
+                    backend.health.reset(verified=backend.fresh_verified)
+                    fresh.append(backend)
                 self._ready_pid[backend.name] = record.pid
             backend.record = record
+        return fresh
 
-    async def run(self) -> None:
+    async def run(self, prober: Prober) -> None:
         while True:
-            await self.read_once()
             await asyncio.sleep(POLL_S)
+            fresh = await self.read_once()
+            await asyncio.gather(*(prober.probe(b) for b in fresh))  # in rotation at once
 
 
 async def stop_task(task: asyncio.Task[None]) -> None:

@@ -64,6 +64,15 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for `event` up to `seconds`; True if it was set. (Not `asyncio.wait_for`, which
+    on Python 3.11 can swallow a cancellation that races with the event.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()
+
+
 def tie_to_parent(death_signal: int) -> Callable[[], None]:
     """A `preexec_fn`: the child gets `death_signal` when this process dies."""
     parent = os.getpid()
@@ -143,9 +152,7 @@ class SupervisedBackend:
             log.warning("backend %r exited (code %s); restarting in %.1f s", self.name,
                         self.exit_code, delay)
             self._set(BACKING_OFF)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), delay)
-            if not self._stopping.is_set():
+            if not await wait_event(self._stopping, delay):
                 self.restarts += 1
         self._set(STOPPED)
 
@@ -265,6 +272,7 @@ class Supervisor:
         ]
         self._tasks: list[asyncio.Task[None]] = []
         self._publisher: asyncio.Task[None] | None = None
+        self._closing = False
         self._store_down = False
 
     async def start(self) -> None:
@@ -279,28 +287,28 @@ class Supervisor:
         await asyncio.gather(*(b.stop() for b in self.backends))
         await asyncio.gather(*self._tasks)
         if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
-            await self._publish()
+            self._closing = True  # the loop publishes once more and ends
+            self._changed.set()
+            await self._publisher
         await self.session.close()
 
     async def _publish_loop(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), REFRESH_S)
+        while not self._closing:
+            await wait_event(self._changed, REFRESH_S)
             self._changed.clear()
             await self._publish()
+        await self._publish()  # the last word: every backend stopped
 
     async def _publish(self) -> None:
         records = {b.name: b.record().encode() for b in self.backends}
         try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.key)  # exactly the configured names, nothing stale
-                pipe.hset(self.key, mapping=records)  # type: ignore[arg-type]
-                pipe.expire(self.key, EXPIRE_S)
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(REFRESH_S):  # never stall supervision on the store
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(self.key)  # exactly the configured names, nothing stale
+                    pipe.hset(self.key, mapping=records)  # type: ignore[arg-type]
+                    pipe.expire(self.key, EXPIRE_S)
+                    await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
             if not self._store_down:
                 log.warning("cannot publish backend states to Redis (%s); workers keep the "
                             "last ones they saw", type(exc).__name__)

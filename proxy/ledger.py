@@ -125,6 +125,7 @@ def _pairs(entry: Mapping[str, object]) -> list[str]:
 class Ledger:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        self._indexed: set[str] = set()  # accounts this process already put in the index
         # register_script: EVALSHA, reloading the script on NOSCRIPT (e.g. after a restart).
         self._hold = redis.register_script(_HOLD)
         self._settle = redis.register_script(_SETTLE)
@@ -134,7 +135,7 @@ class Ledger:
     async def credit(self, account: str, amount: int, entry: Mapping[str, object]) -> int:
         """Top up (or adjust, when negative); journaled. Returns the new available balance."""
         bal, _, _, journal = _keys(account)
-        await self.redis.sadd(ACCOUNTS, account)
+        await self._index(account)
         ok, available = await self._credit(keys=[bal, journal], args=[amount, *_pairs(entry)])
         if not ok:
             raise InsufficientCredits(int(available), -amount)
@@ -143,7 +144,7 @@ class Ledger:
     async def hold(self, account: str, amount: int, ttl_s: int) -> str:
         """Reserve `amount`; raises InsufficientCredits. Returns the hold id."""
         hold_id = uuid.uuid4().hex
-        await self.redis.sadd(ACCOUNTS, account)  # index first: a crash after it is harmless
+        await self._index(account)  # first: a crash after it is harmless
         bal, holds, expiry, _ = _keys(account)
         ok, available = await self._hold(
             keys=[bal, holds, expiry], args=[hold_id, amount, int(time.time()) + ttl_s]
@@ -159,6 +160,14 @@ class Ledger:
         charged = await self._settle(keys=list(_keys(account)),
                                      args=[hold_id, cost, *_pairs(entry)])
         return None if int(charged) < 0 else int(charged)
+
+    async def _index(self, account: str) -> None:
+        """Put the account in the sweeper's index once per process (not a round trip per hold)."""
+        if account not in self._indexed:
+            await self.redis.sadd(ACCOUNTS, account)
+            if len(self._indexed) > 100_000:
+                self._indexed.clear()
+            self._indexed.add(account)
 
     async def journal(self, account: str, entry: Mapping[str, object]) -> None:
         """A usage entry with no money moved (guests)."""

@@ -96,12 +96,13 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         outcome.status = "client_gone"
         raise
     finally:
-        # In its own task: a client that goes away (cancelling this handler, even after its
-        # answer was sent) cannot stop the settlement or the idempotency record.
+        # In its own task, not awaited: the answer goes out without waiting for the ledger, and
+        # a client that goes away (cancelling this handler) cannot stop the settlement or the
+        # idempotency record. Shutdown waits for these tasks (app.py); a crash leaves the hold
+        # to expire and the sweeper releases it.
         done = asyncio.create_task(_close(meter, outcome, remembered, response))
         app[SETTLEMENTS].add(done)
         done.add_done_callback(app[SETTLEMENTS].discard)
-        await asyncio.shield(done)
 
 
 async def _close(meter: ChatMeter, outcome: Outcome, remembered: idempotency.Claim | None,

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from proxy.app import build_app
+from proxy.appkeys import SETTLEMENTS
 from proxy.config import KeysPolicy, load_config
 from proxy.keystore import KeyStore
 from proxy.ledger import Ledger
@@ -153,6 +154,17 @@ async def gateway(
 
     yield start
     await assert_ledger_reconciles(redis_server.url)
+
+
+async def settled(server: TestServer) -> None:
+    """Wait until the gateway has settled every request (settlement runs after the answer)."""
+    quiet = 0
+    for _ in range(400):
+        await asyncio.sleep(0.005)
+        quiet = quiet + 1 if not server.app[SETTLEMENTS] else 0
+        if quiet >= 3:
+            return
+    raise AssertionError("settlements still running after 2 s")
 
 
 async def assert_ledger_reconciles(redis_url: str) -> None:

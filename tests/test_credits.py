@@ -17,7 +17,7 @@ from proxy.ledger import InsufficientCredits, Ledger
 from proxy.pricing import ChatUsage, chat_cost, chat_hold, format_credits, parse_credits, \
     prompt_upper_bound
 from proxy.redis_process import RedisProcess
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key
+from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key, settled
 from tests.test_chat_route import CHAT, HELLO, post, sse_payloads
 
 # 1 micro-credit per prompt token, 10 per completion token: easy to check by hand.
@@ -153,6 +153,7 @@ async def test_charge_matches_the_price_of_reported_usage(
                                     headers={"X-API-Key": key})
         usage = orjson.loads(raw)["usage"]
         assert status == 200
+        await settled(gw)
         cost = usage["prompt_tokens"] * 1 + usage["completion_tokens"] * 10
         balance = await ledger.balance("acme")
         assert (balance.spent, balance.held, balance.available) == (cost, 0, 100_000 - cost)
@@ -208,7 +209,7 @@ async def test_every_exit_path_ends_the_hold_once(
         await ledger.credit("acme", 100_000, {})
         code, _, raw = await post(gw, {"model": MODEL, "messages": HELLO, "stream": stream},
                                   headers={"X-API-Key": key, **headers})
-        await asyncio.sleep(0.1)
+        await settled(gw)
         [entry] = await charges(ledger)
         balance = await ledger.balance("acme")
         assert entry["status"] == status and balance.held == 0
@@ -256,6 +257,7 @@ async def test_guests_are_journaled_not_charged(
 ) -> None:
     gw = await gateway(await simulator(), policies={"prices.toml": PRICES})
     assert (await post(gw, {"model": MODEL, "messages": HELLO}))[0] == 200
+    await settled(gw)
     redis = Redis.from_url(clean_redis.url)
     try:
         [entry] = await Ledger(redis).all_entries("guest:127.0.0.1")
@@ -285,6 +287,7 @@ async def test_account_api_and_admin_top_up(
             for _ in range(3):
                 assert (await post(gw, {"model": MODEL, "messages": HELLO},
                                    headers={"X-API-Key": key}))[0] == 200
+            await settled(gw)
             async with session.get(gw.make_url("/v2/account"),
                                    headers={"X-API-Key": key}) as response:
                 account = await response.json()
@@ -315,6 +318,7 @@ async def test_idempotency_key_replays_with_one_charge(
         again = await post(gw, body, headers={"X-API-Key": key, "Idempotency-Key": "order-1"})
         assert first[0] == again[0] == 200 and first[2] == again[2]
         assert again[1].get("Idempotent-Replayed") == "true"
+        await settled(gw)
         assert len(await charges(ledger)) == 1
 
         other = await post(gw, {**body, "seed": 3},
@@ -331,6 +335,7 @@ async def test_idempotency_key_replays_with_one_charge(
             "X-API-Key": key, "Idempotency-Key": "order-5", "x-sim-delay-ms": "2500"})
             for _ in range(2)))
         assert sorted(status for status, _, _ in slow) == [200, 409]
+        await settled(gw)
         assert len(await charges(ledger)) == 3
 
         # Streams replay the same bytes.
@@ -338,6 +343,7 @@ async def test_idempotency_key_replays_with_one_charge(
         s1 = await post(gw, stream, headers={"X-API-Key": key, "Idempotency-Key": "order-3"})
         s2 = await post(gw, stream, headers={"X-API-Key": key, "Idempotency-Key": "order-3"})
         assert s1[2] == s2[2] and s2[2].endswith(b"data: [DONE]\n\n")
+        await settled(gw)
         assert len(await charges(ledger)) == 4
 
         # A failed first attempt gives the key back: the retry runs for real.
@@ -359,5 +365,6 @@ async def test_idempotency_key_is_given_back_when_the_hold_fails(
         assert (await post(gw, body, headers=headers))[0] == 402
         await ledger.credit("acme", 100_000, {})
         assert (await post(gw, body, headers=headers))[0] == 200
+        await settled(gw)
     finally:
         await redis.aclose()

@@ -13,11 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import orjson
 import psutil
 import pytest
@@ -101,7 +102,16 @@ class Stack:
         self.seen: dict[int, psutil.Process] = {}
 
     def ready(self, timeout: float = 30) -> Stack:
+        """Every worker ready: each has its own view and the kernel picks one per connection,
+        so ask on fresh connections until enough say yes in a row."""
         wait_until_ready(f"{self.url}/readyz", self.proc, timeout)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        in_a_row = 0
+        while in_a_row < 12:
+            assert time.monotonic() < deadline, "not every worker became ready"
+            ok = httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+            in_a_row = in_a_row + 1 if ok else 0
+            time.sleep(0.02 if ok else 0.1)
         self.tree()
         return self
 
@@ -170,6 +180,21 @@ async def admin_backends(session: aiohttp.ClientSession, url: str) -> dict[str, 
         return {b["name"]: b for b in (await response.json())["data"]}
 
 
+async def settled_view(url: str, name: str, check: Callable[[dict[str, Any]], bool]
+                       ) -> dict[str, Any]:
+    """Backend `name` as seen by whichever worker answers, once `check` holds (each worker
+    follows the supervisor on its own, within a poll interval)."""
+    deadline = time.monotonic() + 10
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        while True:
+            view = (await admin_backends(session, url))[name]
+            if check(view):
+                return view
+            assert time.monotonic() < deadline, view
+            await asyncio.sleep(0.1)
+
+
 async def test_killed_backend_is_restarted_and_traffic_resumes(
     tmp_path: Path, stacks: list[Stack], redis_url: str
 ) -> None:
@@ -180,8 +205,8 @@ async def test_killed_backend_is_restarted_and_traffic_resumes(
     async with aiohttp.ClientSession() as session:
         async with session.get(stack.url + "/admin/backends") as response:
             assert response.status == 401  # admin only
-        before = (await admin_backends(session, stack.url))["sim-a"]
-        assert before["supervised"] and before["state"] == "ready" and before["healthy"]
+        before = await settled_view(stack.url, "sim-a", lambda b: b["healthy"])
+        assert before["supervised"] and before["state"] == "ready"
         assert before["restarts"] == 0 and before["kind"] == "vllm" and before["models"] == [MODEL]
         assert await chat(session, stack.url) == 200
 
@@ -192,8 +217,8 @@ async def test_killed_backend_is_restarted_and_traffic_resumes(
             assert time.monotonic() - killed < 10, "traffic never resumed"
             await asyncio.sleep(0.05)
         resumed = time.monotonic() - killed
-        after = (await admin_backends(session, stack.url))["sim-a"]
-    assert after["state"] == "ready" and after["restarts"] == 1 and after["pid"] != victim.pid
+    after = await settled_view(stack.url, "sim-a", lambda b: b["pid"] != victim.pid)
+    assert after["state"] == "ready" and after["restarts"] == 1
     assert gone(victim) and not psutil.pid_exists(victim.pid)  # reaped: no zombie
     assert resumed < 6, resumed
     log = stack.log.read_text()
@@ -272,8 +297,8 @@ async def test_all_backends_down_is_a_fast_503(
                     assert response.status == 503 and response.headers["Retry-After"] == "1"
                 assert body["error"]["type"] == "unavailable"
                 assert took < 0.25, f"503 took {took:.3f} s; connect timeout is 3 s"
-            states = {b["state"] for b in (await admin_backends(session, stack.url)).values()}
-            assert states == {"unhealthy"}  # the supervisor's probes time out too
+            for name in ("a", "b"):  # the supervisor's probes time out too
+                await settled_view(stack.url, name, lambda b: b["state"] == "unhealthy")
         finally:
             for sim in sims:
                 sim.resume()
@@ -336,7 +361,8 @@ async def test_sigterm_drains_open_streams(
             assert orjson.loads(errors[0])["error"]["type"] == "upstream_error"
     assert stack.proc.wait(drain + 2.0 + 5) == 0
     took = time.monotonic() - stopped
-    assert took < drain + 2.0 + 2, took  # drain, then the backends' grace at most
+    # Drain, then the backends' grace at most (plus slack for a busy machine).
+    assert took < drain + 2.0 + 2, (took, stack.log.read_text()[-3000:])
     assert all(gone(p) for p in tree), [(_cmdline(p), p.pid) for p in tree if not gone(p)]
 
 
@@ -366,7 +392,7 @@ async def test_a_dead_worker_is_replaced_and_the_others_keep_serving(
     stack.ready()
     workers = stack.workers()
     assert len(workers) == 3
-    outcomes: list[tuple[float, bool]] = []
+    outcomes: list[tuple[float, int | str]] = []
     stop = time.monotonic() + 4.0
 
     async def client() -> None:
@@ -374,22 +400,23 @@ async def test_a_dead_worker_is_replaced_and_the_others_keep_serving(
         async with aiohttp.ClientSession(connector=connector) as session:
             while time.monotonic() < stop:
                 try:
-                    ok = await chat(session, stack.url) == 200
-                except aiohttp.ClientError:  # a request the dead worker was holding
-                    ok = False
-                outcomes.append((time.monotonic(), ok))
+                    outcome: int | str = await chat(session, stack.url)
+                except aiohttp.ClientError as exc:  # a request the dead worker was holding
+                    outcome = type(exc).__name__
+                outcomes.append((time.monotonic(), outcome))
 
     load = asyncio.gather(*(client() for _ in range(8)))
     await asyncio.sleep(1.0)
     os.kill(workers[0], signal.SIGKILL)
     killed = time.monotonic()
     await load
-    failed = [t for t, ok in outcomes if not ok]
-    assert len(outcomes) > 200 and len(failed) <= 16, (len(outcomes), len(failed))
-    assert all(t < killed + 1.0 for t in failed), "the surviving workers failed requests"
-    assert sum(ok for t, ok in outcomes if t > killed) > 100
+    failed = [(round(t - killed, 3), o) for t, o in outcomes if o != 200]
+    # Only what the dead worker held or had queued fails, as a broken connection, at once.
+    assert all(t < 0.5 and isinstance(o, str) for t, o in failed), failed
+    assert sum(o == 200 for t, o in outcomes if t > killed + 0.5) > 100
     deadline = time.monotonic() + 10
     while len(stack.workers()) != 3 or workers[0] in stack.workers():
         assert time.monotonic() < deadline, "the dead worker was not replaced"
         await asyncio.sleep(0.1)
-    assert re.search(r"worker \d exited \(code -9\); starting a replacement", stack.log.read_text())
+    assert re.search(r"worker \d exited \(code -9\); starting a replacement",
+                     stack.log.read_text())

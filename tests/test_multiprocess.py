@@ -127,7 +127,10 @@ async def test_credits_never_overspent_across_two_processes(
 
         statuses = await asyncio.gather(*(one(i) for i in range(100)))
     assert statuses.count(200) == 10 and statuses.count(402) == 90
-    shown = cli(env, folder, "accounts", "show", "race")
+    deadline = time.monotonic() + 5  # settlement runs just after each answer
+    while "held 0.000000" not in (shown := cli(env, folder, "accounts", "show", "race")):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     assert "available 0.000000" in shown and "spent 0.010000" in shown
     assert "0 problem(s)" in cli(env, folder, "credits", "reconcile")
 

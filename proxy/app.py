@@ -43,6 +43,7 @@ from proxy.native_discovery import add_ollama_discovery
 from proxy.openapi import GATEWAY_OPERATIONS, build_openapi
 from proxy.pipeline import chat_route
 from proxy.ratelimit import RateLimiter
+from proxy.redis_process import rate_limit_redis_url
 from proxy.translate.anthropic import AnthropicStyle
 from proxy.translate.ollama import OllamaStyle
 from proxy.translate.openai import OpenAIStyle
@@ -80,7 +81,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         app[REDIS] = connect_redis(redis_url)
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
-        app[LIMITER] = RateLimiter(redis_url)
+        app[LIMITER] = RateLimiter(rate_limit_redis_url(config, redis_url))
         app[LEDGER] = Ledger(app[REDIS])
         app[SETTLEMENTS] = set[asyncio.Task[None]]()
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.

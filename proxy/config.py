@@ -38,6 +38,10 @@ class GatewaySection(_Section, frozen=True):
     port: Port = 8080
     # Unset: `serve` starts an embedded redis-server under data_dir (GATEWAY_REDIS_URL overrides).
     redis_url: str | None = None
+    # Rate-limit counters need no durability; a Redis without fsync-on-every-write keeps them
+    # off the ledger's slow path (GATEWAY_RATELIMIT_REDIS_URL overrides). Unset: the embedded
+    # gateway starts a second, non-persistent server; with `redis_url` set, that one is used.
+    rate_limit_redis_url: str | None = None
     # Relative paths are taken from the config folder.
     data_dir: str = ".gateway"
     # HTTP worker processes sharing the port (SO_REUSEPORT); unset = one per CPU.

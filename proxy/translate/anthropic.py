@@ -28,8 +28,8 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.schemas_anthropic import TOOL_ID_PREFIX, MessagesRequest, to_openai, usage_rules
 from proxy.sse import frame
 from proxy.translate.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.translate.upstream import UpstreamStreamError
-from proxy.validate import RequestInvalid, validate
+from proxy.translate.upstream import parse_chunk
+from proxy.validate import validate_with
 
 JsonObj = dict[str, Any]
 
@@ -52,10 +52,7 @@ class AnthropicStyle(ChatStyle):
     name = "anthropic"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        request = validate(body, MessagesRequest)
-        faults = usage_rules(request)
-        if faults:
-            raise RequestInvalid(faults)
+        request = validate_with(body, MessagesRequest, usage_rules)
         return ChatCall(
             model=request.model,
             openai_body=to_openai(request),
@@ -226,12 +223,7 @@ class AnthropicEncoder(StreamEncoder):
         self._deltas = 0  # output estimate should the upstream send no usage
 
     def chunk(self, data: bytes) -> bytes:
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamStreamError("the model server sent a malformed stream event") from None
-        if not isinstance(chunk, dict):
-            raise UpstreamStreamError("the model server sent a malformed stream event")
+        chunk = parse_chunk(data)
         out = [] if self._started else [self._start(chunk.get("id"))]
         choice = _first_choice(chunk.get("choices"))
         delta = choice.get("delta")

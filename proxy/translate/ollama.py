@@ -31,8 +31,8 @@ import orjson
 from proxy.errors import ErrorKind, GatewayError
 from proxy.schemas_ollama import OllamaChatRequest, OllamaMessage, OllamaOptions, usage_rules
 from proxy.translate.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.translate.upstream import UpstreamStreamError
-from proxy.validate import RequestInvalid, validate
+from proxy.translate.upstream import UpstreamStreamError, parse_chunk
+from proxy.validate import validate_with
 
 JsonObj = dict[str, Any]
 STARTED_NS = "started_ns"  # ChatCall.extras: monotonic ns when the request was validated
@@ -46,10 +46,7 @@ class OllamaStyle(ChatStyle):
     name = "ollama"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        request = validate(body, OllamaChatRequest)
-        faults = usage_rules(request)
-        if faults:
-            raise RequestInvalid(faults)
+        request = validate_with(body, OllamaChatRequest, usage_rules)
         stream = request.stream is not False  # Ollama streams unless told not to
         return ChatCall(
             model=request.model,
@@ -300,11 +297,7 @@ class OllamaEncoder(StreamEncoder):
                              "message": message, "done": False, **extra}) + b"\n"
 
     def chunk(self, data: bytes) -> bytes:
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamStreamError("the model server sent a malformed stream event") from None
-        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        choices = parse_chunk(data).get("choices")
         lines: list[bytes] = []
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:

@@ -12,15 +12,11 @@ from typing import Any
 from proxy.schemas_served import ServedChatRequest
 from proxy.translate.base import ChatCall
 from proxy.translate.openai import OpenAIStyle
-from proxy.validate import RequestInvalid, chat_usage_rules, validate
+from proxy.validate import chat_usage_rules, validate_with
 
 
 class ServedStyle(OpenAIStyle):
     name = "served"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        request = validate(body, ServedChatRequest)
-        problems = chat_usage_rules(request)
-        if problems:
-            raise RequestInvalid(problems)
-        return self.call_for(request, body)
+        return self.call_for(validate_with(body, ServedChatRequest, chat_usage_rules), body)

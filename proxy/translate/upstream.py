@@ -112,11 +112,11 @@ class ChunkFilter:
     def feed(self, data: bytes) -> bytes | None:
         """The JSON to send for this event, or None to drop it. Raises UpstreamStreamError."""
         if self._kind == "tgi":
-            return self._fix_tgi(_parse(data))
+            return self._fix_tgi(parse_chunk(data))
         if b'"error"' in data:
-            _raise_if_error(_parse(data))
+            _raise_if_error(parse_chunk(data))
         if b'"usage":{' in data or b'"usage": {' in data:
-            chunk = _parse(data)
+            chunk = parse_chunk(data)
             usage = chunk.get("usage")
             if isinstance(usage, dict):
                 self.usage = usage
@@ -164,7 +164,8 @@ class ChunkFilter:
                 call["id"] = self._call_ids[key]
 
 
-def _parse(data: bytes) -> dict[str, Any]:
+def parse_chunk(data: bytes) -> dict[str, Any]:
+    """One stream event's JSON object; UpstreamStreamError when it is not one."""
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:

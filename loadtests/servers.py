@@ -133,7 +133,7 @@ def simulator_args(
 
 def gateway_args(config_dir: Path, port: int) -> list[str]:
     return [sys.executable, "-m", "proxy", "serve", "--config", str(config_dir),
-            "--port", str(port)]
+            "--port", str(port), "--workers", "1"]  # DESIGN §7 measures one worker
 
 
 def write_gateway_config(

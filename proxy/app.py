@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -44,6 +43,7 @@ from proxy.openapi import GATEWAY_OPERATIONS, build_openapi
 from proxy.pipeline import chat_route
 from proxy.ratelimit import RateLimiter
 from proxy.redis_process import rate_limit_redis_url
+from proxy.tasks import stop_task
 from proxy.translate.anthropic import AnthropicStyle
 from proxy.translate.ollama import OllamaStyle
 from proxy.translate.openai import OpenAIStyle
@@ -92,9 +92,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
         if settling:  # let in-flight settlements finish before the store goes away
             await asyncio.wait(settling, timeout=10)
         for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         await app[REDIS].aclose()
 
     async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -73,11 +73,11 @@ class BackendSpec(_Section, frozen=True):
     api_key_env: str | None = None
     # Health probe path (default by kind: TGI and vLLM `/health`, Ollama `/`); "" disables it.
     health_path: str | None = None
-    # Supervision: when `command` is set the gateway starts this process itself (argv list),
-    # waits for its health probe before routing to it, and restarts it when it exits.
+    # Supervision: when `command` is set the gateway starts this process itself (argv list, no
+    # shell), waits for its health probe before routing to it, and restarts it when it exits.
     command: list[NonEmpty] | None = None
-    env: dict[str, str] = {}
-    cwd: str | None = None
+    env: dict[str, str] = {}  # merged over the gateway's environment
+    cwd: str | None = None  # relative to the config folder (default: the folder itself)
 
 
 class HealthSection(_Section, frozen=True):
@@ -381,6 +381,44 @@ def _check_backends(file: BackendsFile) -> list[str]:
         for name in backend.forward_headers:
             if name.rstrip("*").lower() in NEVER_FORWARDED | {""}:
                 problems.append(f"{where}.forward_headers: {name!r} may never be forwarded")
+        if backend.health_path and not backend.health_path.startswith("/"):
+            problems.append(f"{where}.health_path: must start with '/' (or be \"\" for none)")
+        problems.extend(_check_supervised(backend, where))
+    problems.extend(_check_fleet_sections(file))
+    return problems
+
+
+def _check_supervised(backend: BackendSpec, where: str) -> list[str]:
+    if backend.command is None:
+        if backend.env or backend.cwd is not None:
+            return [f"{where}: env and cwd apply only to a backend with a command"]
+        return []
+    problems = []
+    if not backend.command:
+        problems.append(f"{where}.command: must name the program to run")
+    for key in backend.env:
+        if not key or "=" in key or "\0" in key:
+            problems.append(f"{where}.env: {key!r} is not an environment variable name")
+    return problems
+
+
+def _check_fleet_sections(file: BackendsFile) -> list[str]:
+    problems = []
+    if file.health.ejection_base_s > file.health.ejection_max_s:
+        problems.append("backends.toml: health.ejection_base_s: must not exceed ejection_max_s")
+    if file.supervisor.backoff_base_s > file.supervisor.backoff_max_s:
+        problems.append("backends.toml: supervisor.backoff_base_s: must not exceed backoff_max_s")
+    # A port two supervised backends both listen on: one of them could never start.
+    started: dict[tuple[str | None, int], str] = {}
+    for i, backend in enumerate(file.backends):
+        if backend.command is None:
+            continue
+        url = urlsplit(backend.url)
+        address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+        if address in started:
+            problems.append(f"backends.toml: backends[{i}].url: the same address as "
+                            f"{started[address]!r}, also started by the gateway")
+        started.setdefault(address, backend.name)
     return problems
 
 

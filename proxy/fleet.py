@@ -29,10 +29,11 @@ from aiohttp.typedefs import Handler
 from proxy.admin_api import require_admin
 from proxy.appkeys import CONFIG, REDIS, ROUTER, UPSTREAMS
 from proxy.errors import ErrorKind, GatewayError
+from proxy.tasks import stop_task
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fleet_state import STARTING, fleet_key
 from proxy.upstream.pool import Backend, Router
-from proxy.upstream.prober import FleetSync, Prober, probe_session, stop_task
+from proxy.upstream.prober import FleetSync, Prober, probe_session
 
 log = logging.getLogger("proxy.fleet")
 

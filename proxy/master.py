@@ -33,7 +33,7 @@ from proxy.upstream.supervisor import Supervisor, terminate, tie_to_parent, wait
 log = logging.getLogger("proxy.master")
 
 WORKER_ENV = "IGW_WORKER"
-_EXIT_SLACK_S = 5.0  # beyond the drain: cutting the last streams, closing, exiting
+_EXIT_SLACK_S = 6.0  # beyond the drain: cutting the last streams (2 s), cleanup (2.5 s), exit
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -27,6 +27,9 @@ from proxy.master import WORKER_ENV, WorkerSpec, run_master
 from proxy.redis_process import RATE_LIMIT_URL_ENV, RedisProcess, rate_limit_redis_url
 
 _SHUTDOWN_TIMEOUT_S = 2.0  # after the drain: closing idle keep-alive connections
+# The whole cleanup after the drain (connections, then the app's cleanup_ctx); the master allows
+# drain_timeout_s + 6 s in all.
+_CLEANUP_S = 2.5
 
 
 def serve(config: Config, *, host: str | None, port: int | None,
@@ -94,7 +97,6 @@ def worker_main() -> int:
     _setup_logging(f"worker-{spec.index}")
     _install_uvloop()
     asyncio.run(_run_worker(spec))
-    logging.getLogger("DBG").warning("loop closed")
     return 0
 
 
@@ -116,22 +118,17 @@ async def _run_worker(spec: WorkerSpec) -> None:
         await site.start()
         await stop.wait()
         await app[FLEET].drain(spec.config.gateway.drain_timeout_s)
-        logging.getLogger("DBG").warning("drained, in flight %d", app[FLEET].in_flight)
     finally:
-        async def dump() -> None:
-            while True:
-                await asyncio.sleep(1.5)
-                srv = runner.server
-                conns = list(srv._connections) if srv else []  # type: ignore[union-attr]
-                for c in conns:
-                    th = c._task_handler
-                    logging.getLogger("DBG").warning("conn inprog=%s th=%r waiter=%r", c._request_in_progress, th and th.get_stack(), c._handler_waiter)
-                for t in asyncio.all_tasks():
-                    logging.getLogger("DBG").warning("task %r", t.get_stack())
-        d = asyncio.create_task(dump())
-        await runner.cleanup()
-        d.cancel()
-        logging.getLogger("DBG").warning("cleaned up")
+        # A task, waited for without cancelling it: a library that swallows a cancellation
+        # (redis-py can) must not keep the worker alive.
+        cleanup = asyncio.create_task(runner.cleanup())
+        done, _ = await asyncio.wait({cleanup}, timeout=_CLEANUP_S)
+        if not done:
+            logging.getLogger("proxy").error("cleanup did not finish in %.1f s; exiting anyway",
+                                             _CLEANUP_S)
+            logging.shutdown()
+            os._exit(1)
+        cleanup.result()
 
 
 async def _reload_on_sighup(app: web.Application) -> None:

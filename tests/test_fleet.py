@@ -79,8 +79,11 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.port}"
         self.folder = tmp / "config"
         (self.folder / "policies").mkdir(parents=True)
+        for backend in backends:
+            if "cwd" in backend:
+                (self.folder / backend["cwd"]).mkdir(exist_ok=True)
         (self.folder / "policies" / "tiers.toml").write_text(GENEROUS_TIERS)
-        config = {
+        config: dict[str, dict[str, Any]] = {
             "gateway": {"port": self.port, "data_dir": str(tmp / "data"),
                         "drain_timeout_s": drain_s},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
@@ -104,7 +107,7 @@ class Stack:
     def ready(self, timeout: float = 30) -> Stack:
         """Every worker ready: each has its own view and the kernel picks one per connection,
         so ask on fresh connections until enough say yes in a row."""
-        wait_until_ready(f"{self.url}/readyz", self.proc, timeout)  # type: ignore[arg-type]
+        wait_until_ready(f"{self.url}/readyz", self.proc, timeout)
         deadline = time.monotonic() + 10
         in_a_row = 0
         while in_a_row < 12:
@@ -199,7 +202,8 @@ async def test_killed_backend_is_restarted_and_traffic_resumes(
     tmp_path: Path, stacks: list[Stack], redis_url: str
 ) -> None:
     """U3: kill -9 a supervised child: reaped, restarted with backoff, ready, traffic again."""
-    stack = Stack(tmp_path, [simulator("sim-a")], workers=2, redis_url=redis_url)
+    stack = Stack(tmp_path, [{**simulator("sim-a"), "cwd": "models"}], workers=2,
+                  redis_url=redis_url)
     stacks.append(stack)
     stack.ready()
     async with aiohttp.ClientSession() as session:
@@ -211,6 +215,10 @@ async def test_killed_backend_is_restarted_and_traffic_resumes(
         assert await chat(session, stack.url) == 200
 
         victim = psutil.Process(before["pid"])
+        # Started as configured: cwd relative to the config folder, env merged over ours.
+        assert Path(victim.cwd()) == stack.folder / "models"
+        child_env = victim.environ()
+        assert child_env["PYTHONPATH"] == str(REPO) and "GATEWAY_ADMIN_TOKEN" in child_env
         victim.kill()
         killed = time.monotonic()
         while await chat(session, stack.url) != 200:

@@ -15,6 +15,8 @@ are failures; a complete answer, or a client error the server judged properly (4
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
@@ -24,6 +26,8 @@ import orjson
 from proxy.config import UpstreamSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
+
+log = logging.getLogger("proxy.upstream")
 
 _ERROR_BODY_LIMIT = 64 * 1024
 _MESSAGE_LIMIT = 300
@@ -125,23 +129,23 @@ class Upstreams:
                     backend.base_url + path, data=body, headers=headers, allow_redirects=False
                 )
             except aiohttp.ClientConnectorError:
-                backend.record_failure()
+                _failed(backend)
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} is unreachable",
                                       retryable=True) from None
             except (aiohttp.ServerTimeoutError, TimeoutError):
-                backend.record_failure()
+                _failed(backend)
                 raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
                                       f"backend {backend.name!r} did not answer in time",
                                       retryable=False) from None
             except aiohttp.ServerDisconnectedError:
                 # Closed before any response byte: nothing was generated for this request.
-                backend.record_failure()
+                _failed(backend)
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} closed the connection",
                                       retryable=True) from None
             except aiohttp.ClientError:
-                backend.record_failure()
+                _failed(backend)
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} sent an unusable response",
                                       retryable=False) from None
@@ -161,12 +165,12 @@ class Upstreams:
                     yield response
                 except GatewayError as exc:
                     if exc.kind in _UPSTREAM_KINDS and not self._aborting:
-                        backend.record_failure()  # the body was unusable or broke off
+                        _failed(backend)  # the body was unusable or broke off
                     raise
                 if self._aborting:
                     pass  # cut by our own drain: says nothing about the backend
                 elif response.content.exception() is not None:
-                    backend.record_failure()  # the stream broke off or went silent
+                    _failed(backend)  # the stream broke off or went silent
                 else:
                     backend.record_success()
             except BaseException:
@@ -180,9 +184,16 @@ class Upstreams:
             backend.outstanding -= 1
 
 
+def _failed(backend: Backend) -> None:
+    if backend.record_failure():
+        until = backend.health.ejected_until or 0.0
+        log.warning("backend %r ejected for %.0f s after %d failure(s) in a row", backend.name,
+                    until - time.monotonic(), backend.health.consecutive_failures)
+
+
 def _record_status(backend: Backend, status: int) -> None:
     if status >= 500 or status == 424:  # 424: TGI's "generation failed"
-        backend.record_failure()
+        _failed(backend)
     elif status not in _NEUTRAL_STATUSES:
         backend.record_success()  # it judged a bad request properly: alive and well
 

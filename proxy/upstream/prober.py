@@ -13,7 +13,6 @@ Probes carry `User-Agent: inference-gateway-health` so server logs can tell them
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -96,9 +95,10 @@ class Prober:
             ok = await self._send(backend, kind)
             health.record_probe(time.monotonic(), kind, ok)
         if was_out != (not backend.healthy):
-            log.warning("backend %r is %s (%s probe %s)", backend.name,
-                        "back in rotation" if backend.healthy else "out of rotation",
-                        kind.value, "ok" if ok else "failed")
+            log.log(logging.INFO if backend.healthy else logging.WARNING,
+                    "backend %r is %s (%s probe %s)", backend.name,
+                    "in rotation" if backend.healthy else "out of rotation",
+                    kind.value, "ok" if ok else "failed")
 
     async def _send(self, backend: Backend, kind: Probe) -> bool:
         if kind is Probe.DEEP:
@@ -136,7 +136,7 @@ class FleetSync:
         self._ready_pid: dict[str, int | None] = {}  # the process last seen ready, per backend
 
     async def read_once(self) -> list[Backend]:
-        """Take in the records; returns the backends whose process just became ready."""
+        """Take in the records; returns the backends that just became ready (to probe now)."""
         try:
             raw: dict[bytes | str, bytes | str] = await self.redis.hgetall(self.key)
         except (RedisError, OSError) as exc:
@@ -155,6 +155,8 @@ class FleetSync:
                     # by a probe before it gets a request.
                     backend.health.reset(verified=backend.fresh_verified)
                     fresh.append(backend)
+                elif not backend.ready:  # back from unhealthy: see for ourselves, now
+                    fresh.append(backend)
                 self._ready_pid[backend.name] = record.pid
             backend.record = record
         return fresh
@@ -164,9 +166,3 @@ class FleetSync:
             await asyncio.sleep(POLL_S)
             fresh = await self.read_once()
             await asyncio.gather(*(prober.probe(b) for b in fresh))  # in rotation at once
-
-
-async def stop_task(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

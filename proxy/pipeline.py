@@ -41,6 +41,7 @@ from proxy.relay import relay_stream
 from proxy.request_body import parse_json_object, read_capped
 from proxy.translate import upstream as upstream_chat
 from proxy.translate.base import ChatCall, ChatStyle
+from proxy.upstream.pool import Pool
 from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
@@ -66,7 +67,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
 
     raw = await read_capped(request, app[CONFIG].policies.requests.chat.max_body_bytes)
     call = _parsed(style, parse_json_object(raw))
-    app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access is judged
+    pool = app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access
     check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
                  mode="network" if call.mode == "network" else "direct")
     mode = _direct_mode(call)
@@ -90,7 +91,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     outcome = Outcome(captured=[] if remembered else None)
     response: web.StreamResponse | None = None
     try:
-        response = await _forward(request, style, call, mode, request_id, outcome)
+        response = await _forward(request, style, call, pool, mode, request_id, outcome)
         return response
     except asyncio.CancelledError:
         outcome.status = "client_gone"
@@ -132,11 +133,10 @@ async def _idempotency_claim(request: web.Request, account: str, route: str, raw
                            headers={"Retry-After": "5"}) from None
 
 
-async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, mode: str,
-                   request_id: str, outcome: Outcome) -> web.StreamResponse:
-    """Route, translate, call the upstream, relay the answer; record the outcome for metering."""
+async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, pool: Pool,
+                   mode: str, request_id: str, outcome: Outcome) -> web.StreamResponse:
+    """Translate, call the upstream, relay the answer; record the outcome for metering."""
     app = request.app
-    pool = app[ROUTER].chat_pool(call.model)
     task_id = f"{mode}:{uuid.uuid4()}"
     headers = {
         "Content-Type": "application/json",

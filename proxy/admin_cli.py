@@ -17,15 +17,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from proxy.auth import GUEST_TIER
 from proxy.config import Config, ConfigError, load_config
-from proxy.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
-from proxy.ledger import InsufficientCredits, Ledger
-from proxy.pricing import format_credits, parse_credits
-from proxy.redis_process import RedisProcess
+from proxy.credits.ledger import InsufficientCredits, Ledger
+from proxy.credits.pricing import format_credits, parse_credits
+from proxy.identity.auth import GUEST_TIER
+from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
+from proxy.runtime.redis_process import RedisProcess, connect_redis
 
 __all__ = ["DEFAULT_TIERS", "add_commands", "known_tiers", "redis_url_for"]
 
@@ -109,7 +108,7 @@ def _run(args: argparse.Namespace, action: Action) -> int:
 
 async def _with_store(args: argparse.Namespace, config: Config, action: Action) -> int:
     url, embedded = redis_url_for(config)
-    redis = Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=10.0)
+    redis = connect_redis(url, timeout_s=10.0)
     try:
         try:
             await redis.ping()

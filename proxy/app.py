@@ -1,24 +1,29 @@
-"""Builds the aiohttp Application: long-lived objects in cleanup_ctx, routes, middleware."""
+"""Builds the aiohttp Application: long-lived objects in cleanup_ctx, the route table, middleware.
+
+    cleanup_ctx, in order:  state (Redis, key store, policies, limiter, ledger, background loops)
+                            -> upstreams (the pooled client, drain) -> health (probes, fleet sync)
+    routes:                 ROUTES below, the only place a route is registered; the OpenAPI
+                            document is rendered from the same table
+    middleware:             proxy.http.middleware (request id, drain gate, error rendering)
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import orjson
 from aiohttp import web
-from redis.asyncio import Redis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from aiohttp.typedefs import Handler
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
-from proxy.account_api import add_account_routes
-from proxy.admin_api import add_admin_routes
+from proxy.api import account, admin, models, ollama_discovery
+from proxy.api import openapi as docs
 from proxy.appkeys import (
     CONFIG,
+    DRAIN,
     KEYSTORE,
     LEDGER,
     LIMITER,
@@ -29,55 +34,119 @@ from proxy.appkeys import (
     SETTLEMENTS,
     UPSTREAMS,
 )
-from proxy.auth import GUEST_TIER
 from proxy.config import Config
-from proxy.errors import GatewayError
-from proxy.fleet import FLEET, setup_fleet
-from proxy.keystore import KeyStore
-from proxy.ledger import Ledger
-from proxy.live import LivePolicies
-from proxy.middleware import gateway_middleware
-from proxy.models_api import list_models
-from proxy.native_discovery import add_ollama_discovery
-from proxy.openapi import GATEWAY_OPERATIONS, build_openapi
+from proxy.credits.ledger import Ledger
+from proxy.http.middleware import gateway_middleware
+from proxy.identity.keystore import KeyStore
 from proxy.pipeline import chat_route
-from proxy.ratelimit import RateLimiter
-from proxy.redis_process import rate_limit_redis_url
-from proxy.tasks import stop_task
-from proxy.translate.anthropic import AnthropicStyle
-from proxy.translate.ollama import OllamaStyle
-from proxy.translate.openai import OpenAIStyle
-from proxy.translate.served import ServedStyle
+from proxy.policy.admission import RateLimiter
+from proxy.reload import LivePolicies
+from proxy.runtime.background import stop_task
+from proxy.runtime.drain import Drain
+from proxy.runtime.fleet_state import fleet_key
+from proxy.runtime.redis_process import connect_redis, rate_limit_redis_url
+from proxy.styles.anthropic import AnthropicStyle
+from proxy.styles.ollama import OllamaStyle
+from proxy.styles.openai import OpenAIStyle
+from proxy.styles.served import ServedStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
+from proxy.upstream.prober import FleetSync, Prober, probe_session
 
 log = logging.getLogger("proxy")
 
 API_VERSION = "2.0.0"  # the interface version (spec, Versioning); every path begins with /v2
 
 
-def connect_redis(url: str) -> Redis:
-    """A pooled client that retries a command once the connection drops (Redis restarted)."""
-    return Redis.from_url(
-        url, socket_timeout=2.0, socket_connect_timeout=2.0,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+class Route(NamedTuple):
+    method: str
+    path: str
+    handler: Handler
+    doc: docs.Doc
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Alive: the process answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: not draining, the state store answers, and a backend may take traffic."""
+    checks: dict[str, bool] = {"accepting": not request.app[DRAIN].draining}
+    try:
+        checks["redis"] = bool(await request.app[REDIS].ping())
+    except Exception:  # any failure to reach the store means not ready; its text is not public
+        checks["redis"] = False
+    # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
+    checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
+    ready = all(checks.values())
+    body = {"status": "ready" if ready else "not ready", "checks": checks}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+_NATIVE = "/v2/native"  # where Ollama clients point `host`
+_native_chat = chat_route(OllamaStyle())
+
+ROUTES: tuple[Route, ...] = (
+    # The request path (proxy.pipeline): every chat style on the same pipeline.
+    Route("POST", "/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()), docs.COMPAT_CHAT),
+    Route("POST", "/v2/served/v1/chat/completions", chat_route(ServedStyle()), docs.SERVED_CHAT),
+    Route("POST", "/v2/messages/v1/messages", chat_route(AnthropicStyle()), docs.MESSAGES_CHAT),
+    Route("POST", f"{_NATIVE}/api/chat", _native_chat, docs.NATIVE_CHAT),
+    Route("POST", "/api/native/chat", _native_chat, docs.NATIVE_CHAT),  # the spec's alias
+    # Beside it.
+    Route("GET", "/v2/models", models.list_models, docs.MODELS),
+    Route("GET", "/v2/account", account.account, docs.ACCOUNT),
+    Route("GET", "/v2/account/usage", account.usage, docs.ACCOUNT_USAGE),
+    Route("GET", f"{_NATIVE}/api/tags", ollama_discovery.tags, docs.OLLAMA_TAGS),
+    Route("POST", f"{_NATIVE}/api/show", ollama_discovery.show, docs.OLLAMA_SHOW),
+    Route("GET", f"{_NATIVE}/api/version", ollama_discovery.version, docs.OLLAMA_VERSION),
+    Route("GET", f"{_NATIVE}/api/ps", ollama_discovery.ps, docs.OLLAMA_PS),
+    Route("GET", f"{_NATIVE}/", ollama_discovery.root, docs.OLLAMA_ROOT),
+    Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT),
+    Route("GET", "/v2/openapi.json", openapi_document, docs.OPENAPI),
+    Route("GET", "/healthz", healthz, docs.HEALTHZ),
+    Route("GET", "/readyz", readyz, docs.READYZ),
+    # Operators.
+    Route("POST", "/admin/keys", admin.create_key, docs.ADMIN_CREATE_KEY),
+    Route("GET", "/admin/keys", admin.list_keys, docs.ADMIN_LIST_KEYS),
+    Route("DELETE", "/admin/keys/{key_id}", admin.revoke_key, docs.ADMIN_REVOKE_KEY),
+    Route("GET", "/admin/accounts/{account}", admin.show_account, docs.ADMIN_ACCOUNT),
+    Route("POST", "/admin/accounts/{account}/credits", admin.add_credits, docs.ADMIN_CREDITS),
+    Route("POST", "/admin/reload", admin.reload_policies, docs.ADMIN_RELOAD),
+    Route("GET", "/admin/backends", admin.list_backends, docs.ADMIN_BACKENDS),
+)
+
+OPENAPI_DOCUMENT = docs.build_openapi(
+    ((r.method, r.path, r.doc) for r in ROUTES), title="Inference Gateway", version=API_VERSION
+)
 
 
 def build_app(config: Config, *, redis_url: str) -> web.Application:
-    # Each route reads its own body under its own cap (proxy.request_body); this is a backstop.
+    # Each route reads its own body under its own cap (proxy.http.body); this is a backstop.
     app = web.Application(
         middlewares=[gateway_middleware],
         client_max_size=config.policies.requests.chat.max_body_bytes,
     )
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends, config.health)
-    app[OPENAPI] = orjson.dumps(
-        build_openapi(GATEWAY_OPERATIONS, title="Inference Gateway", version=API_VERSION)
-    )
+    app[OPENAPI] = orjson.dumps(OPENAPI_DOCUMENT)
+    app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx, _health_ctx])
+    for route in ROUTES:
+        if route.method == "GET":
+            app.router.add_get(route.path, route.handler)  # also answers HEAD
+        else:
+            app.router.add_route(route.method, route.path, route.handler)
+    return app
 
+
+def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None]]:
     async def state_ctx(app: web.Application) -> AsyncIterator[None]:
+        config = app[CONFIG]
         app[REDIS] = connect_redis(redis_url)
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
@@ -95,23 +164,36 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
             await stop_task(task)
         await app[REDIS].aclose()
 
-    async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[UPSTREAMS] = Upstreams(config.upstream)
-        yield
-        await app[UPSTREAMS].close()
+    return state_ctx
 
-    app.cleanup_ctx.extend([state_ctx, upstreams_ctx])
-    setup_fleet(app)  # health probes, passive ejection, /admin/backends
-    add_chat_routes(app)
-    add_account_routes(app)
-    app.router.add_get("/v2/models", list_models)
-    app.router.add_get("/v2/openapi.json", openapi_document)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    add_admin_routes(app, KEYSTORE, extra_check=admin_role_jwt,
-                     tiers=lambda request: set(request.app[LIVE].current.policies.tiers.tiers)
-                     - {GUEST_TIER})
-    return app
+
+async def _upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[UPSTREAMS] = Upstreams(app[CONFIG].upstream)
+    app[DRAIN] = Drain(app[UPSTREAMS])
+    yield
+    await app[UPSTREAMS].close()
+
+
+async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Before the worker serves: the supervisor's records (supervised backends are routable only
+    when ready), then one round of probes; then both keep running (upstream.prober)."""
+    config = app[CONFIG]
+    router = app[ROUTER]
+    session = probe_session(config.health.timeout_s)
+    prober = Prober(router.backends, config.health, session)
+    sync = FleetSync(router.backends, app[REDIS], fleet_key(config.root))
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        if sync.backends:
+            await sync.read_once()
+            tasks.append(asyncio.create_task(sync.run(prober)))
+        await prober.first_round()
+        tasks.append(asyncio.create_task(prober.run()))
+        yield
+    finally:
+        for task in tasks:
+            await stop_task(task)
+        await session.close()
 
 
 async def sweep_holds(app: web.Application) -> None:
@@ -125,47 +207,3 @@ async def sweep_holds(app: web.Application) -> None:
             continue  # the store is down; the holds wait for the next sweep
         if released:
             log.warning("released %d expired credit hold(s) left by a crashed worker", released)
-
-
-def add_chat_routes(app: web.Application) -> None:
-    """Every chat style, each through the same pipeline (auth, limits, credits, relay)."""
-    app.router.add_post("/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()))
-    app.router.add_post("/v2/served/v1/chat/completions", chat_route(ServedStyle()))
-    messages = chat_route(AnthropicStyle())
-    app.router.add_post("/v2/messages/v1/messages", messages)
-    native = chat_route(OllamaStyle())
-    app.router.add_post("/v2/native/api/chat", native)
-    app.router.add_post("/api/native/chat", native)  # the spec's unversioned alias
-    add_ollama_discovery(app, "/v2/native")
-
-
-async def admin_role_jwt(request: web.Request) -> bool:
-    """Admin routes also accept a valid JWT whose role claim is `admin`."""
-    try:
-        principal = await request.app[LIVE].current.auth.principal(request.headers, None)
-    except GatewayError:
-        return False
-    return principal.kind == "jwt" and principal.role == "admin"
-
-
-async def openapi_document(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[OPENAPI], content_type="application/json")
-
-
-async def healthz(request: web.Request) -> web.Response:
-    """Alive: the process answers."""
-    return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    """Ready: not draining, the state store answers, and a backend may take traffic."""
-    checks: dict[str, bool] = {"accepting": not request.app[FLEET].draining}
-    try:
-        checks["redis"] = bool(await request.app[REDIS].ping())
-    except Exception:  # any failure to reach the store means not ready; its text is not public
-        checks["redis"] = False
-    # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
-    checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
-    ready = all(checks.values())
-    body = {"status": "ready" if ready else "not ready", "checks": checks}
-    return web.json_response(body, status=200 if ready else 503)

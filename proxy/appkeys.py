@@ -9,11 +9,12 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from proxy.config import Config
-from proxy.keystore import KeyStore
-from proxy.ledger import Ledger
-from proxy.live import LivePolicies
-from proxy.ratelimit import RateLimiter
-from proxy.translate.base import ChatStyle
+from proxy.credits.ledger import Ledger
+from proxy.identity.keystore import KeyStore
+from proxy.policy.admission import RateLimiter
+from proxy.reload import LivePolicies
+from proxy.runtime.drain import Drain
+from proxy.styles.base import ChatStyle
 from proxy.upstream.client import Upstreams
 from proxy.upstream.pool import Router
 
@@ -28,6 +29,7 @@ LEDGER = web.AppKey("ledger", Ledger)
 # Settlements in flight, drained on shutdown.
 SETTLEMENTS: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("settlements")
 OPENAPI = web.AppKey("openapi", bytes)
+DRAIN = web.AppKey("drain", Drain)
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it

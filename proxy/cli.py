@@ -69,7 +69,9 @@ def _load(args: argparse.Namespace) -> Config | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.serve import serve  # the server's imports are not needed by the other commands
+    from proxy.runtime.master import (
+        serve,  # the server's imports are not needed by the other commands
+    )
 
     config = _load(args)
     if config is None:

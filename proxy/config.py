@@ -317,7 +317,7 @@ def load_config(folder: str | Path = ".") -> Config:
     if "tiers" in policies:
         problems.extend(_check_tiers(policies["tiers"]))
     if "auth" in policies:
-        from proxy.jwt_verify import check_jwt_policy  # it imports this module
+        from proxy.identity.jwt import check_jwt_policy  # it imports this module
 
         problems.extend(f"policies/auth.toml: jwt: {p}"
                         for p in check_jwt_policy(policies["auth"].jwt, root))

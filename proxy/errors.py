@@ -96,3 +96,12 @@ def validation_failed(detail: list[dict[str, Any]]) -> GatewayError:
     where = ".".join(str(part) for part in first.get("loc", []))
     message = f"{count} validation {noun}; first: {where}: {first.get('msg')}"
     return GatewayError(ErrorKind.VALIDATION_ERROR, message, detail=detail)
+
+
+STORE_RETRY_AFTER_S = 5
+
+
+def store_unavailable(store: str) -> GatewayError:
+    """503 while a part of the state store cannot be reached: the one wording, one Retry-After."""
+    return GatewayError(ErrorKind.UNAVAILABLE, f"the {store} is unreachable; try again shortly",
+                        headers={"Retry-After": str(STORE_RETRY_AFTER_S)})

@@ -20,7 +20,6 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from proxy import idempotency
 from proxy.appkeys import (
     CONFIG,
     LEDGER,
@@ -34,14 +33,16 @@ from proxy.appkeys import (
     STYLE,
     UPSTREAMS,
 )
-from proxy.errors import ErrorKind, GatewayError, validation_failed
-from proxy.metering import ChatMeter, Outcome, open_chat_meter
-from proxy.policy import check_access, completion_cap, tier_of
-from proxy.relay import relay_stream
-from proxy.request_body import parse_json_object, read_capped
-from proxy.translate import upstream as upstream_chat
-from proxy.translate.base import ChatCall, ChatStyle
+from proxy.credits import idempotency
+from proxy.credits.meter import ChatMeter, Result, open_chat_meter
+from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
+from proxy.http.body import parse_json_object, read_capped
+from proxy.outcome import Outcome
+from proxy.policy.tiers import check_access, completion_cap, tier_of
+from proxy.styles.base import ChatCall, ChatStyle
+from proxy.upstream import wire
 from proxy.upstream.pool import Pool
+from proxy.upstream.relay import relay_stream
 from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
@@ -88,13 +89,13 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         if remembered is not None:
             await remembered.release()
         raise
-    outcome = Outcome(captured=[] if remembered else None)
+    outcome = Result(captured=[] if remembered else None)
     response: web.StreamResponse | None = None
     try:
         response = await _forward(request, style, call, pool, mode, request_id, outcome)
         return response
     except asyncio.CancelledError:
-        outcome.status = "client_gone"
+        outcome.status = Outcome.CLIENT_GONE
         raise
     finally:
         # In its own task, not awaited: the answer goes out without waiting for the ledger, and
@@ -106,14 +107,14 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         done.add_done_callback(app[SETTLEMENTS].discard)
 
 
-async def _close(meter: ChatMeter, outcome: Outcome, remembered: idempotency.Claim | None,
+async def _close(meter: ChatMeter, outcome: Result, remembered: idempotency.Claim | None,
                  response: web.StreamResponse | None) -> None:
     """Settle exactly once; then keep the result for idempotent retries, or give the key back."""
     await meter.settle(outcome)
     if remembered is None:
         return
     try:
-        if response is None or outcome.status != "completed":
+        if response is None or outcome.status != Outcome.COMPLETED:
             await remembered.release()  # nothing charged: a retry runs for real
         elif isinstance(response, web.Response) and isinstance(response.body, bytes):
             await remembered.store(response.status, response.content_type, response.body)
@@ -129,12 +130,11 @@ async def _idempotency_claim(request: web.Request, account: str, route: str, raw
     try:
         return await idempotency.claim(request.app[REDIS], account, route, request, raw)
     except RedisError:
-        raise GatewayError(ErrorKind.UNAVAILABLE, "the idempotency store is unreachable",
-                           headers={"Retry-After": "5"}) from None
+        raise store_unavailable("idempotency store") from None
 
 
 async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, pool: Pool,
-                   mode: str, request_id: str, outcome: Outcome) -> web.StreamResponse:
+                   mode: str, request_id: str, outcome: Result) -> web.StreamResponse:
     """Translate, call the upstream, relay the answer; record the outcome for metering."""
     app = request.app
     task_id = f"{mode}:{uuid.uuid4()}"
@@ -146,12 +146,12 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, pool:
     try:
         async with app[UPSTREAMS].call(
             pool, CHAT_UPSTREAM_PATH,
-            lambda backend: upstream_chat.upstream_body(call.openai_body, call.stream,
+            lambda backend: wire.upstream_body(call.openai_body, call.stream,
                                                         backend.spec.kind),
             headers, request.headers,
         ) as (backend, upstream):
             if call.stream:
-                outcome.chunks = upstream_chat.ChunkFilter(backend.spec.kind, call.model,
+                outcome.chunks = wire.ChunkFilter(backend.spec.kind, call.model,
                                                            call.want_usage)
                 response, result = await relay_stream(
                     request, upstream, outcome.chunks, style.encoder(call, task_id),
@@ -163,10 +163,10 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, pool:
                 return response
             completion = await _read_completion(upstream)
     except GatewayError:
-        outcome.status = "upstream_error"
+        outcome.status = Outcome.UPSTREAM_ERROR
         raise
-    completion = upstream_chat.fix_response(completion, backend.spec.kind, call.model)
-    outcome.status, outcome.usage = "completed", completion.get("usage")
+    completion = wire.fix_response(completion, backend.spec.kind, call.model)
+    outcome.status, outcome.usage = Outcome.COMPLETED, completion.get("usage")
     return web.Response(
         body=orjson.dumps(style.response(completion, call, task_id, mode)),
         content_type="application/json", headers={"X-Task-Id": task_id},

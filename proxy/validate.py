@@ -19,16 +19,15 @@ from typing import Any, Final, Literal, TypeVar, get_args, get_origin
 import msgspec
 from msgspec import inspect as mi
 
-from proxy.schemas import ChatRequest
-
 __all__ = [
     "MAX_ERRORS",
+    "ErrorItem",
+    "Loc",
     "RequestInvalid",
-    "chat_usage_rules",
     "schema_errors",
     "validate",
-    "validate_chat",
     "validate_with",
+    "value_error",
 ]
 
 T = TypeVar("T")
@@ -65,36 +64,9 @@ def validate_with(body: object, schema: type[T], rules: Callable[[T], list[Error
     return request
 
 
-def validate_chat(body: object) -> ChatRequest:
-    return validate_with(body, ChatRequest, chat_usage_rules)
-
-
-def _value_error(loc: Loc, text: str) -> ErrorItem:
+def value_error(loc: Loc, text: str) -> ErrorItem:
+    """A usage-rule fault in pydantic's words."""
     return {"loc": list(loc), "msg": f"Value error, {text}", "type": "value_error"}
-
-
-def chat_usage_rules(req: ChatRequest) -> list[ErrorItem]:
-    """Cross-field rules of the spec and DESIGN §6 that a schema cannot express."""
-    faults: list[ErrorItem] = []
-    if req.stream and req.async_:
-        faults.append(_value_error(("body", "stream"), "stream cannot be combined with async"))
-    if req.stream and req.mode == "network":
-        faults.append(_value_error(("body", "stream"), "stream is only available in direct mode"))
-    if req.top_logprobs is not None and req.logprobs is not True:
-        faults.append(_value_error(("body", "top_logprobs"),
-                                   "top_logprobs requires logprobs: true"))
-    for i, msg in enumerate(req.messages):
-        loc: Loc = ("body", "messages", i)
-        if msg.role == "assistant":
-            if msg.content is None and not msg.tool_calls:
-                faults.append(_value_error((*loc, "content"),
-                                           "an assistant message needs content or tool_calls"))
-        elif msg.content is None:
-            faults.append({"loc": [*loc, "content"], "msg": "Field required", "type": "missing"})
-        if msg.role == "tool" and msg.tool_call_id is None:
-            faults.append(_value_error((*loc, "tool_call_id"),
-                                       "a tool message needs tool_call_id"))
-    return faults
 
 
 # ---- slow path ------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from redis.asyncio import Redis
 from proxy.app import build_app
 from proxy.appkeys import SETTLEMENTS
 from proxy.config import KeysPolicy, load_config
-from proxy.keystore import KeyStore
-from proxy.ledger import Ledger
-from proxy.redis_process import RedisProcess
+from proxy.credits.ledger import Ledger
+from proxy.identity.keystore import KeyStore
+from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
 

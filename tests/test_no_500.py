@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from proxy.app import build_app
 from proxy.config import load_config
-from proxy.redis_process import RedisProcess
+from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
 from tests.conftest import GENEROUS_TIERS, MODEL, new_key, write_config

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from proxy.config import CHAT_KINDS, BackendSpec, HealthSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
-from proxy.upstream.fleet_state import READY, FleetRecord
+from proxy.runtime.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 
 RETRY_AFTER_S = "1"

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.config import HealthSection
-from proxy.upstream.fleet_state import POLL_S, READY, FleetRecord
+from proxy.runtime.fleet_state import POLL_S, READY, FleetRecord
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, health_path
 

@@ -1,0 +1,1 @@
+"""Routes beside the request path: account, admin, models, Ollama discovery, OpenAPI."""

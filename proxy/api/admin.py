@@ -1,0 +1,220 @@
+"""The admin HTTP API: keys, accounts, credits, policy reload, and the fleet as a worker sees it.
+
+    POST   /admin/keys              {account, tier, label?} -> 201 {key, id, ...}; the only time
+                                    the key is ever shown (sent with Cache-Control: no-store)
+    GET    /admin/keys[?account=A]  -> {object: "list", data: [record...]}
+    DELETE /admin/keys/{key_id}     -> the revoked record
+    GET    /admin/accounts/{account} -> {account, keys: [record...]}
+    POST   /admin/accounts/{account}/credits  {amount, reason} -> a journaled top-up or adjustment
+    POST   /admin/reload            policies/ again (as SIGHUP does)
+    GET    /admin/backends          every backend: health and load as this worker sees them
+
+Records never include the key or its digest. Keys are revoked by id only: a raw key in a URL path
+would end up in access logs (K3).
+
+Every route needs `Authorization: Bearer <GATEWAY_ADMIN_TOKEN>`, or a valid JWT whose role claim is
+`admin`. With the variable unset or empty the static token is off. Errors are raised as
+GatewayError for the middleware to render.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from proxy.appkeys import KEYSTORE, LEDGER, LIVE, ROUTER
+from proxy.credits.ledger import InsufficientCredits
+from proxy.credits.pricing import format_credits, parse_credits
+from proxy.errors import ErrorKind, GatewayError, validation_failed
+from proxy.http.body import parse_json_object, read_capped
+from proxy.identity import apikeys
+from proxy.identity.auth import GUEST_TIER
+from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
+from proxy.runtime.fleet_state import STARTING
+from proxy.upstream.pool import Backend
+from proxy.validate import RequestInvalid, validate
+
+__all__ = ["ADMIN_TOKEN_ENV", "CreateKeyBody", "CreditBody", "admin_token_matches",
+           "require_admin"]
+
+ADMIN_TOKEN_ENV = "GATEWAY_ADMIN_TOKEN"
+_BODY_CAP = 64 * 1024  # admin bodies are tiny
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class CreateKeyBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    account: Annotated[str, msgspec.Meta(pattern=ACCOUNT_PATTERN)]
+    tier: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    label: Annotated[
+        str, msgspec.Meta(max_length=LABEL_MAX, pattern="^[^\\x00-\\x1f\\x7f]*$")
+    ] = ""
+
+
+class CreditBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    amount: str  # credits as a decimal string ("12.5"), never a float
+    reason: str = "top-up"  # kept to its first 200 characters
+
+
+def admin_token_matches(header: str | None, token: str | None) -> bool:
+    """True when `header` is `Bearer <token>` and a token is configured."""
+    if not token or not header:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return False
+    # Hash both sides first so the comparison does not even reveal the token's length.
+    ours = hashlib.sha256(token.encode()).digest()
+    theirs = hashlib.sha256(given.strip().encode()).digest()
+    return hmac.compare_digest(ours, theirs)
+
+
+async def require_admin(request: web.Request) -> None:
+    """The one authorization rule of every /admin route: the static token (read per request,
+    so it holds whatever the environment says now) or a valid admin-role JWT."""
+    if admin_token_matches(request.headers.get("Authorization"), os.environ.get(ADMIN_TOKEN_ENV)):
+        return
+    try:
+        principal = await request.app[LIVE].current.auth.principal(request.headers, None)
+    except GatewayError:
+        principal = None
+    if principal is not None and principal.kind == "jwt" and principal.role == "admin":
+        return
+    raise GatewayError(ErrorKind.INVALID_API_KEY, "admin credentials required",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+async def create_key(request: web.Request) -> web.Response:
+    await require_admin(request)
+    spec = _body(await _json_object(request), CreateKeyBody)
+    tiers = set(request.app[LIVE].current.policies.tiers.tiers) - {GUEST_TIER}
+    if spec.tier not in tiers:
+        names = ", ".join(repr(t) for t in sorted(tiers))
+        raise validation_failed([{"loc": ["body", "tier"], "msg": f"Input should be {names}",
+                                  "type": "literal_error"}])
+    raw, record = await request.app[KEYSTORE].create(spec.account, spec.tier, spec.label)
+    return _json({"key": raw, **record.public()}, status=201,
+                 headers={"Cache-Control": "no-store"})
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    await require_admin(request)
+    account = request.query.get("account") or None
+    records = await request.app[KEYSTORE].list(account)
+    return _json({"object": "list", "data": [r.public() for r in records]})
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    await require_admin(request)
+    key_id = request.match_info["key_id"]
+    store = request.app[KEYSTORE]
+    record = await store.revoke(key_id) if apikeys.is_key_id(key_id) else None
+    if record is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, "no such key id")
+    return _json(record.public())
+
+
+async def show_account(request: web.Request) -> web.Response:
+    await require_admin(request)
+    view = await request.app[KEYSTORE].account(request.match_info["account"])
+    if view is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, "no such account")
+    return _json(view.public())
+
+
+async def add_credits(request: web.Request) -> web.Response:
+    """A top-up, or a negative adjustment; journaled like any charge."""
+    await require_admin(request)
+    spec = _body(await _json_object(request), CreditBody)
+    try:
+        micro = parse_credits(spec.amount)
+    except ValueError as exc:
+        raise validation_failed([{"loc": ["body", "amount"], "msg": str(exc),
+                                  "type": "value_error"}]) from None
+    account_id = request.match_info["account"]
+    try:
+        available = await request.app[LEDGER].credit(
+            account_id, micro, {"reason": spec.reason[:200], "actor": "admin-api",
+                                "ts": int(time.time())})
+    except InsufficientCredits:
+        raise GatewayError(ErrorKind.INVALID_REQUEST,
+                           "the adjustment would take the balance below zero") from None
+    return _json({"account": account_id, "added": _money(micro),
+                  "available": _money(available)}, status=201)
+
+
+async def reload_policies(request: web.Request) -> web.Response:
+    """Reload policies/ (as SIGHUP does); a bad file is refused and the old policy stays."""
+    await require_admin(request)
+    live = request.app[LIVE]
+    problems = live.reload()
+    if problems:
+        raise GatewayError(ErrorKind.VALIDATION_ERROR,
+                           "policy reload refused: " + "; ".join(problems))
+    return _json({"status": "reloaded", "version": live.current.version})
+
+
+async def list_backends(request: web.Request) -> web.Response:
+    """Every backend as this worker sees it (health and load are per worker; the supervisor's
+    state, pid and restarts are the master's)."""
+    await require_admin(request)
+    backends = request.app[ROUTER].backends
+    return _json({"object": "list", "worker_pid": os.getpid(),
+                  "data": [backend_view(b) for b in backends]})
+
+
+def backend_view(backend: Backend) -> dict[str, Any]:
+    health = backend.health
+    now = time.monotonic()
+    ejected_until = None
+    if health.ejected_until is not None:  # monotonic -> unix time, for people
+        ejected_until = round(time.time() + (health.ejected_until - now), 3)
+    record = backend.record
+    if backend.supervised:
+        state = record.state if record is not None else STARTING
+    else:
+        state = "unhealthy" if health.probe_down else "ready"
+    last = health.last_probe
+    return {
+        "name": backend.name,
+        "kind": backend.spec.kind,
+        "url": backend.base_url,
+        "models": list(backend.spec.models),
+        "supervised": backend.supervised,
+        "state": state,
+        "healthy": backend.healthy,
+        "ejected_until": ejected_until,
+        "half_open": health.half_open(now),
+        "consecutive_failures": health.consecutive_failures,
+        "outstanding": backend.outstanding,
+        "restarts": record.restarts if record is not None else 0,
+        "pid": record.pid if record is not None else None,
+        "last_probe": {"kind": last[0].value, "ok": last[1]} if last is not None else None,
+    }
+
+
+def _body(body: dict[str, Any], schema: type[S]) -> S:
+    try:
+        return validate(body, schema)
+    except RequestInvalid as exc:
+        raise validation_failed(exc.detail) from None
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    return parse_json_object(await read_capped(request, _BODY_CAP))
+
+
+def _money(micro: int) -> dict[str, Any]:
+    return {"credits": format_credits(micro), "micro_credits": micro}
+
+
+def _json(body: dict[str, Any], *, status: int = 200,
+          headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, headers=headers,
+                        content_type="application/json")

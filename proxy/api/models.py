@@ -1,0 +1,62 @@
+"""GET /v2/models: what backends.toml serves, OpenAI list style, with the gateway's own facts.
+
+Each model carries its resource name (`mode.source.model`), modes, task family, the tiers that
+may use it in each mode, its price, and whether a backend can take traffic for it right now.
+Credentials are optional here; a credential that is present must be valid. Not rate-limited.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.appkeys import CONFIG, LIVE, ROUTER
+from proxy.config import BackendSpec, Rates
+from proxy.policy.tiers import denial
+
+FAMILY_OF_KIND = {"tgi": "chat", "vllm": "chat", "openai": "chat", "ollama": "chat",
+                  "whisper": "asr", "tts": "tts", "image": "image", "video": "video"}
+SOURCE_OF_FAMILY = {"chat": "compat", "asr": "audio", "tts": "audio", "image": "image",
+                    "video": "video"}
+OFFERED_MODES = ("direct",)  # network-mode pools do not exist yet
+
+
+async def list_models(request: web.Request) -> web.Response:
+    snapshot = request.app[LIVE].current
+    await snapshot.auth.principal(request.headers, request.remote)  # 401 on a bad credential
+    policies = snapshot.policies
+    backends: dict[str, list[BackendSpec]] = {}
+    for spec in request.app[CONFIG].backends:
+        for model in spec.models:
+            backends.setdefault(model, []).append(spec)
+    live = {b.name: b.available for b in request.app[ROUTER].backends}
+    data = []
+    for model, specs in sorted(backends.items()):
+        family = FAMILY_OF_KIND[specs[0].kind]
+        rates = policies.prices.models.get(model, policies.prices.default)
+        data.append({
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "inference-gateway",
+            "resource": f"{OFFERED_MODES[0]}.{SOURCE_OF_FAMILY[family]}.{model}",
+            "task_family": family,
+            "modes": list(OFFERED_MODES),
+            "tiers": {mode: [name for name in policies.tiers.tiers
+                             if denial(policies.tiers, name, family=family, model=model,
+                                       mode=mode) is None]
+                      for mode in OFFERED_MODES},
+            "price": _price(rates, policies.prices.version),
+            "healthy": any(live.get(spec.name, False) for spec in specs),
+        })
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}),
+                        content_type="application/json")
+
+
+def _price(rates: Rates, version: str) -> dict[str, Any]:
+    fields = ("prompt_per_1k_tokens", "completion_per_1k_tokens", "per_1k_characters",
+              "per_audio_second", "per_image", "per_video_second")
+    price = {name: getattr(rates, name) for name in fields if getattr(rates, name)}
+    return {"unit": "micro-credits", "version": version, **price}

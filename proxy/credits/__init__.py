@@ -1,0 +1,1 @@
+"""Credits: prices (pure), the ledger, per-request metering, idempotent retries."""

@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by every route: body reading, the middleware, SSE framing."""

@@ -1,0 +1,73 @@
+"""The one middleware: a request id, the drain gate, and every error in the documented shape."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, STYLE
+from proxy.errors import ErrorKind, GatewayError
+from proxy.headers import request_id_from
+
+log = logging.getLogger("proxy")
+
+_HTTP_KINDS = {
+    404: ErrorKind.NOT_FOUND,
+    405: ErrorKind.METHOD_NOT_ALLOWED,
+    413: ErrorKind.PAYLOAD_TOO_LARGE,
+    415: ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+}
+# Answered while draining: the load balancer must keep seeing them.
+_ALWAYS_SERVED = frozenset({"/healthz", "/readyz"})
+
+
+@web.middleware
+async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = request_id_from(request.headers.get("X-Request-Id"), uuid.uuid4().hex)
+    request[REQUEST_ID] = request_id
+    drain = request.app[DRAIN]
+    counted = request.path not in _ALWAYS_SERVED
+    try:
+        if counted:
+            if drain.draining:
+                raise GatewayError(ErrorKind.UNAVAILABLE,
+                                   "the gateway is shutting down; retry shortly",
+                                   headers={"Retry-After": "1", "Connection": "close"})
+            drain.enter()
+        try:
+            response = await handler(request)
+        finally:
+            if counted:
+                drain.leave()
+    except GatewayError as exc:
+        response = error_response(request, exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = _HTTP_KINDS.get(exc.status, ErrorKind.INVALID_REQUEST)
+        message = "no such route" if exc.status == 404 else exc.reason
+        response = error_response(request, GatewayError(kind, message))
+        if exc.status == 405:
+            response.headers["Allow"] = exc.headers.get("Allow", "")
+    except Exception:
+        # Our bug, not the client's: log it here, never send its text.
+        log.exception("unhandled error", extra={"request_id": request_id})
+        response = error_response(request, GatewayError(ErrorKind.INTERNAL_ERROR, "internal error"))
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+        extra = request.get(RESPONSE_HEADERS)
+        if extra:
+            response.headers.update(extra)
+    return response
+
+
+def error_response(request: web.Request, error: GatewayError) -> web.Response:
+    """The error in the route's own style (OpenAI/FastAPI, Anthropic, Ollama)."""
+    style = request.get(STYLE)
+    body = style.error_body(error) if style is not None else error.json()
+    return web.Response(
+        status=error.status, body=body, content_type="application/json", headers=error.headers,
+    )

@@ -1,0 +1,1 @@
+"""Who is calling: API keys, JWTs, guests, and the key store."""

@@ -1,0 +1,14 @@
+"""How a request ended: set by the relay and the pipeline, read by metering and the journal."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Outcome(enum.StrEnum):
+    COMPLETED = "completed"  # the whole answer reached the client
+    CUT = "cut"  # the upstream closed a stream early
+    TIMEOUT = "timeout"  # the upstream went silent
+    FAILED = "failed"  # the upstream reported an error, or the request failed before it ran
+    CLIENT_GONE = "client_gone"  # the client closed its connection
+    UPSTREAM_ERROR = "upstream_error"  # the upstream failed before answering

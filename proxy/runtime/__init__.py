@@ -1,0 +1,1 @@
+"""Processes: master, workers, supervised backends, the embedded Redis, drain."""

@@ -1,0 +1,205 @@
+"""The master process of `serve`: supervised backends, N HTTP workers, and the order of shutdown.
+
+    serve ──> embedded redis-server (unless one is configured)          [serve(), below]
+          └─> master event loop
+                ├─ Supervisor: starts the `command` backends, publishes their states in Redis
+                └─ N workers: `python -m proxy.runtime.worker`, a WorkerSpec in $IGW_WORKER;
+                   each binds the port with SO_REUSEPORT, so the kernel spreads connections
+
+A worker that dies is replaced (after 0.1 s, doubling while it keeps dying young). Signals:
+  SIGTERM / SIGINT  drain: every worker turns /readyz to 503, refuses new requests and lets open
+                    streams finish up to `drain_timeout_s`; then the supervised backends stop
+                    (SIGTERM, `grace_s`, SIGKILL); then Redis. A second signal kills the workers.
+  SIGHUP            forwarded to the workers: each reloads policies/.
+Workers and backends get PR_SET_PDEATHSIG (SIGTERM), so none outlives a master killed by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import msgspec
+
+from proxy.config import Config
+from proxy.runtime.fleet_state import RestartBackoff
+from proxy.runtime.redis_process import (
+    RATE_LIMIT_URL_ENV,
+    RedisProcess,
+    connect_redis,
+    rate_limit_redis_url,
+)
+from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_event
+
+log = logging.getLogger("proxy.runtime.master")
+
+WORKER_ENV = "IGW_WORKER"
+_EXIT_SLACK_S = 6.0  # beyond the drain: cutting the last streams (2 s), cleanup (2.5 s), exit
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a worker needs, so it serves exactly the config the master checked."""
+
+    config: Config
+    host: str
+    port: int
+    redis_url: str
+    index: int
+
+
+class Master:
+    def __init__(self, config: Config, *, host: str, port: int, workers: int,
+                 redis_url: str) -> None:
+        self.config = config
+        self.host, self.port = host, port
+        self.count = workers
+        self.redis_url = redis_url
+        self.workers: dict[int, asyncio.subprocess.Process] = {}
+        self._stop = asyncio.Event()
+        self._signals = 0
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal)
+        loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        redis = connect_redis(self.redis_url)
+        supervisor = Supervisor(self.config, redis)
+        try:
+            await supervisor.start()
+            slots = [asyncio.create_task(self._keep_worker(i)) for i in range(self.count)]
+            await self._stop.wait()
+            log.info("stopping: draining %d worker(s) for up to %.0f s", len(self.workers),
+                     self.config.gateway.drain_timeout_s)
+            await self._stop_workers(slots)
+            log.info("workers stopped; stopping %d supervised backend(s)",
+                     len(supervisor.backends))
+        finally:
+            await supervisor.stop()
+            await redis.aclose()
+        return 0
+
+    def _on_stop_signal(self) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            self._stop.set()
+        else:  # asked twice: no more waiting for streams
+            log.warning("second stop signal: killing the workers")
+            self._forward(signal.SIGKILL)
+
+    def _forward(self, sig: int) -> None:
+        for proc in list(self.workers.values()):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+    async def _keep_worker(self, index: int) -> None:
+        """Run worker `index`, and replace it whenever it dies, until the master stops."""
+        backoff = RestartBackoff(0.1, 10.0, stable_s=10.0)
+        while not self._stop.is_set():
+            try:
+                proc = await self._spawn(index)
+            except OSError as exc:
+                log.error("cannot start worker %d: %s", index, exc.strerror)
+                code: int | None = None
+            else:
+                self.workers[index] = proc
+                backoff.ready(time.monotonic())  # a worker that lived 10 s counts as stable
+                code = await proc.wait()
+                del self.workers[index]
+            if self._stop.is_set():
+                return
+            delay = backoff.exited(time.monotonic())
+            log.warning("worker %d exited (code %s); starting a replacement in %.1f s",
+                        index, code, delay)
+            await wait_event(self._stop, delay)
+
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        spec = WorkerSpec(config=self.config, host=self.host, port=self.port,
+                          redis_url=self.redis_url, index=index)
+        env = {**os.environ, WORKER_ENV: msgspec.json.encode(spec).decode()}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy.runtime.worker", env=env, stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=tie_to_parent(signal.SIGTERM), start_new_session=True,
+        )
+        log.info("worker %d started (pid %d)", index, proc.pid)
+        return proc
+
+    async def _stop_workers(self, slots: list[asyncio.Task[None]]) -> None:
+        self._forward(signal.SIGTERM)
+        deadline = self.config.gateway.drain_timeout_s + _EXIT_SLACK_S
+        _, late = await asyncio.wait(slots, timeout=deadline)
+        if late:
+            log.warning("%d worker(s) still running after %.0f s; killing them",
+                        len(self.workers), deadline)
+            await asyncio.gather(*(terminate(p, 0) for p in list(self.workers.values())))
+            await asyncio.wait(late)
+
+
+def run_master(config: Config, *, host: str, port: int, workers: int, redis_url: str) -> int:
+    # The master's loop is the stock asyncio one: uvloop buys nothing here, and the stock loop
+    # runs `preexec_fn` (PR_SET_PDEATHSIG) for its subprocesses.
+    master = Master(config, host=host, port=port, workers=workers, redis_url=redis_url)
+    return asyncio.run(master.run())
+
+
+def serve(config: Config, *, host: str | None, port: int | None,
+          workers: int | None = None) -> int:
+    setup_logging("master")
+    host = host or config.gateway.host
+    port = port or config.gateway.port
+    count = workers or config.gateway.workers or os.cpu_count() or 1
+    problem = _port_problem(host, port)
+    if problem:
+        print(f"cannot listen on {host}:{port}: {problem}", file=sys.stderr)
+        return 1
+    redis_url = os.environ.get("GATEWAY_REDIS_URL") or config.gateway.redis_url
+    with contextlib.ExitStack() as stack:
+        if redis_url:
+            where = "external"
+        else:
+            embedded = RedisProcess(config.data_dir / "redis")
+            redis_url = embedded.start()
+            stack.callback(embedded.stop)  # after the master: workers and backends are gone
+            where = f"embedded, {embedded.url}"
+            if not rate_limit_redis_url(config, ""):
+                # Rate-limit counters live a minute and need no fsync: a second server without
+                # persistence keeps them off the ledger's fsync-on-every-write path.
+                limits = RedisProcess(config.data_dir / "redis-limits", persistent=False)
+                os.environ[RATE_LIMIT_URL_ENV] = limits.start()  # inherited by the workers
+                stack.callback(limits.stop)
+        models = ", ".join(app_models(config)) or "none"
+        supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
+        print(f"inference gateway on http://{host}:{port} (redis: {where}; chat models: "
+              f"{models}; workers: {count}; supervised backends: {supervised})", flush=True)
+        return run_master(config, host=host, port=port, workers=count, redis_url=redis_url)
+
+
+def app_models(config: Config) -> list[str]:
+    return sorted({model for backend in config.backends for model in backend.models})
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the workers could not bind host:port, found before anything starts (else None)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{role}] %(name)s %(message)s",
+    )

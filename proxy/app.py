@@ -22,24 +22,26 @@ from redis.exceptions import RedisError
 from proxy.api import account, admin, models, ollama_discovery
 from proxy.api import openapi as docs
 from proxy.appkeys import (
+    ADMITTER,
     CONFIG,
+    COUNTERS,
     DRAIN,
     KEYSTORE,
     LEDGER,
-    LIMITER,
     LIVE,
     OPENAPI,
     REDIS,
     ROUTER,
-    SETTLEMENTS,
+    SETTLER,
     UPSTREAMS,
 )
 from proxy.config import Config
 from proxy.credits.ledger import Ledger
+from proxy.credits.settler import Settler
 from proxy.http.middleware import gateway_middleware
 from proxy.identity.keystore import KeyStore
 from proxy.pipeline import chat_route
-from proxy.policy.admission import RateLimiter
+from proxy.policy.admission import Admitter
 from proxy.reload import LivePolicies
 from proxy.runtime.background import stop_task
 from proxy.runtime.drain import Drain
@@ -148,21 +150,25 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
     async def state_ctx(app: web.Application) -> AsyncIterator[None]:
         config = app[CONFIG]
         app[REDIS] = connect_redis(redis_url)
+        counters_url = rate_limit_redis_url(config, redis_url)
+        app[COUNTERS] = connect_redis(counters_url, timeout_s=1.0) \
+            if counters_url != redis_url else app[REDIS]
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
-        app[LIMITER] = RateLimiter(rate_limit_redis_url(config, redis_url))
         app[LEDGER] = Ledger(app[REDIS])
-        app[SETTLEMENTS] = set[asyncio.Task[None]]()
+        app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
+        app[SETTLER] = Settler(app[REDIS], [app[LEDGER].settle_script])
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
         tasks = [asyncio.create_task(app[KEYSTORE].listen_for_revocations()),
-                 asyncio.create_task(sweep_holds(app))]
+                 asyncio.create_task(sweep_holds(app)),
+                 asyncio.create_task(app[SETTLER].run())]
         yield
-        settling: set[asyncio.Task[None]] = app[SETTLEMENTS]
-        if settling:  # let in-flight settlements finish before the store goes away
-            await asyncio.wait(settling, timeout=10)
         for task in tasks:
             await stop_task(task)
+        await app[SETTLER].drain(timeout_s=5)  # what is queued lands before the store goes
         await app[REDIS].aclose()
+        if app[COUNTERS] is not app[REDIS]:
+            await app[COUNTERS].aclose()
 
     return state_ctx
 

@@ -3,15 +3,14 @@ and for the values one request carries from step to step."""
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 from redis.asyncio import Redis
 
 from proxy.config import Config
 from proxy.credits.ledger import Ledger
+from proxy.credits.settler import Settler
 from proxy.identity.keystore import KeyStore
-from proxy.policy.admission import RateLimiter
+from proxy.policy.admission import Admitter
 from proxy.reload import LivePolicies
 from proxy.runtime.drain import Drain
 from proxy.styles.base import ChatStyle
@@ -24,10 +23,10 @@ UPSTREAMS = web.AppKey("upstreams", Upstreams)
 REDIS = web.AppKey("redis", Redis)
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
-LIMITER = web.AppKey("limiter", RateLimiter)
+ADMITTER = web.AppKey("admitter", Admitter)
 LEDGER = web.AppKey("ledger", Ledger)
-# Settlements in flight, drained on shutdown.
-SETTLEMENTS: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("settlements")
+SETTLER = web.AppKey("settler", Settler)  # settlements queued, flushed in batches
+COUNTERS = web.AppKey("counters", Redis)  # the rate-limit counters' Redis (guests)
 OPENAPI = web.AppKey("openapi", bytes)
 DRAIN = web.AppKey("drain", Drain)
 

@@ -57,6 +57,9 @@ class UpstreamSection(_Section, frozen=True):
     first_byte_timeout_s: Seconds = 300.0
     # Longest silence between two chunks once a stream is flowing.
     idle_timeout_s: Seconds = 60.0
+    # Longest a stream may run in all; it then ends with an error event. With the timeouts above
+    # it must stay below prices.toml's hold_ttl_s, so no hold can expire under a live request.
+    max_stream_s: Seconds = 1800.0
 
 
 class BackendSpec(_Section, frozen=True):
@@ -239,8 +242,14 @@ class PricesPolicy(_Section, frozen=True):
     models: dict[str, ModelPrice] = {}
     # The worst case held for a request that names no completion cap (and whose tier sets none).
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1, le=128_000)] = 4096
-    # A hold left by a crashed worker is released after this long: longer than any request.
+    # A hold left by a crashed worker is released after this long: longer than any request
+    # (check-config holds it above 2 x (connect + first byte) + max_stream_s of [upstream]).
     hold_ttl_s: Annotated[int, msgspec.Meta(ge=1, le=7 * 86400)] = 3600
+    # Journal retention: money entries kept per account (older ones fold into a checkpoint
+    # that reconcile still adds up); guests' usage entries, kept fewer and for less long.
+    journal_max_entries: Annotated[int, msgspec.Meta(ge=100, le=10_000_000)] = 100_000
+    guest_journal_max_entries: Annotated[int, msgspec.Meta(ge=10, le=1_000_000)] = 1000
+    guest_journal_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=365 * 86400)] = 7 * 86400
 
     def for_model(self, model: str, mode: str) -> Rates:
         price = self.models.get(model, self.default)
@@ -321,6 +330,9 @@ def load_config(folder: str | Path = ".") -> Config:
 
         problems.extend(f"policies/auth.toml: jwt: {p}"
                         for p in check_jwt_policy(policies["auth"].jwt, root))
+    if backends is not None:
+        problems.extend(_check_request_life(backends.upstream,
+                                            policies.get("prices", PricesPolicy())))
     if problems or backends is None:
         raise ConfigError(problems)
     return Config(
@@ -421,6 +433,19 @@ def _check_fleet_sections(file: BackendsFile) -> list[str]:
         started.setdefault(address, backend.name)
     return problems
 
+
+
+def _check_request_life(upstream: UpstreamSection, prices: PricesPolicy) -> list[str]:
+    """A request must end before its hold can expire: the sweeper would release a hold whose
+    stream is still running, and that stream would be free."""
+    # Connect and first byte twice (one retry on another backend), then the stream.
+    longest = (2 * (upstream.connect_timeout_s + upstream.first_byte_timeout_s)
+               + upstream.max_stream_s)
+    if longest >= prices.hold_ttl_s:
+        return [f"policies/prices.toml: hold_ttl_s: must exceed the longest a request may run, "
+                f"2 x (connect_timeout_s + first_byte_timeout_s) + max_stream_s from "
+                f"backends.toml [upstream] ({longest:.0f} s)"]
+    return []
 
 
 def _check_tiers(tiers: TiersPolicy) -> list[str]:

@@ -11,4 +11,5 @@ class Outcome(enum.StrEnum):
     TIMEOUT = "timeout"  # the upstream went silent
     FAILED = "failed"  # the upstream reported an error, or the request failed before it ran
     CLIENT_GONE = "client_gone"  # the client closed its connection
-    UPSTREAM_ERROR = "upstream_error"  # the upstream failed before answering
+    UPSTREAM_ERROR = "upstream_error"  # the upstream failed, or its answer was unusable
+    REPLAYED = "replayed"  # an idempotent retry: the stored result again, nothing ran

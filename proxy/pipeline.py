@@ -1,11 +1,14 @@
 """The request path of every chat route, in one function.
 
-    auth (401) -> rate limit (429) -> parse + validate (400/413/422) -> model + tier access
-    (404/403) -> credit hold (402) -> route (503) -> translate -> upstream (502/503/504, one retry
-    before the first byte) -> relay (JSON, or a stream event by event) -> meter + settle
+    auth (401) -> parse + validate (400/413/415/422) -> model + tier access (404/403)
+    -> admission: rate limit (429) + credit hold (402), one Redis step -> idempotency (409/replay)
+    -> route (503) -> translate -> upstream (502/503/504, one retry before the first byte)
+    -> relay (JSON, or a stream event by event) -> meter + settle (queued, exactly once)
 
-Each step returns a value or raises `GatewayError`; the error middleware renders it in the route's
-style. A rejected request never reaches an upstream.
+A request refused before admission is still counted against the caller's rate limit, and its 429
+beats its own error (DESIGN §6: every identified attempt counts, the limit is checked first).
+Each step returns a value or raises `GatewayError`; the middleware renders it in the route's
+style. A rejected request never reaches an upstream, and nothing runs before its hold is placed.
 """
 
 from __future__ import annotations
@@ -21,23 +24,28 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy.appkeys import (
+    ADMITTER,
     CONFIG,
     LEDGER,
-    LIMITER,
     LIVE,
     REDIS,
     REQUEST_ID,
     RESPONSE_HEADERS,
     ROUTER,
-    SETTLEMENTS,
+    SETTLER,
     STYLE,
     UPSTREAMS,
 )
+from proxy.config import TierPolicy
 from proxy.credits import idempotency
-from proxy.credits.meter import ChatMeter, Result, open_chat_meter
+from proxy.credits.ledger import InsufficientCredits
+from proxy.credits.meter import ChatMeter, Result, Stage, open_chat_meter
+from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
 from proxy.http.body import parse_json_object, read_capped
+from proxy.identity.principal import Principal
 from proxy.outcome import Outcome
+from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, completion_cap, tier_of
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import wire
@@ -60,81 +68,120 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     app = request.app
     request[STYLE] = style
     snapshot = app[LIVE].current  # one policy version for the whole request
-
+    config = app[CONFIG]
     principal = await snapshot.auth.principal(request.headers, request.remote)
     tier = tier_of(snapshot.policies.tiers, principal.tier)
-    admission = await app[LIMITER].admit(principal.tier, tier, principal.account)
-    request[RESPONSE_HEADERS] = admission.headers()
-
-    raw = await read_capped(request, app[CONFIG].policies.requests.chat.max_body_bytes)
-    call = _parsed(style, parse_json_object(raw))
-    pool = app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access
-    check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
-                 mode="network" if call.mode == "network" else "direct")
-    mode = _direct_mode(call)
-    limit = completion_cap(tier, principal.tier, call.max_tokens)
-    if limit is not None and call.max_tokens is None:
-        call.openai_body["max_tokens"] = limit
-    if call.async_:
-        raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async chat tasks are not available yet")
-
-    request_id = request[REQUEST_ID]
-    remembered = await _idempotency_claim(request, principal.account, style.name, raw)
-    if isinstance(remembered, web.Response):
-        return remembered  # a retry: the first result again, nothing run, nothing charged
     try:
-        meter = await open_chat_meter(app[LEDGER], snapshot.policies.prices, principal, call,
-                                      limit, mode, style.name, request_id)  # 402: nothing runs
+        raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
+        call = _parsed(style, parse_json_object(raw))
+        pool = app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access
+        check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
+                     mode="network" if call.mode == "network" else "direct")
+        mode = _direct_mode(call)
+        cap = completion_cap(tier, principal.tier, call.max_tokens)
+        claim = idempotency.claim_for(principal.account, style.name, request.headers, raw)
+        if call.async_:
+            raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async chat tasks are not available "
+                               "yet")
     except GatewayError:
-        if remembered is not None:
-            await remembered.release()
+        await _count_refused(request, principal, tier)
         raise
-    outcome = Result(captured=[] if remembered else None)
+
+    prices = snapshot.policies.prices
+    cap = cap or prices.default_max_tokens  # what the hold assumes is what the upstream gets
+    request_id = request[REQUEST_ID]
+    meter = open_chat_meter(prices, principal, call.model, call.openai_body, cap, mode,
+                            style.name, request_id)
+    result = Result(captured=[] if claim else None)
     response: web.StreamResponse | None = None
-    try:
-        response = await _forward(request, style, call, pool, mode, request_id, outcome)
+    claimed = False
+    try:  # entered before the first await that can place a hold or a claim
+        if claim is not None:
+            replay = await _acquire(request, claim, principal, tier)
+            if replay is not None:
+                return replay  # the first result again: nothing run, nothing held
+            claimed = True  # ours from here, whatever happens to this request
+        request[RESPONSE_HEADERS] = (await _admit(request, meter, tier)).headers()
+        response = await _forward(request, style, call, cap, pool, mode, request_id, result)
         return response
     except asyncio.CancelledError:
-        outcome.status = Outcome.CLIENT_GONE
+        result.status = Outcome.CLIENT_GONE
         raise
     finally:
-        # In its own task, not awaited: the answer goes out without waiting for the ledger, and
-        # a client that goes away (cancelling this handler) cannot stop the settlement or the
-        # idempotency record. Shutdown waits for these tasks (app.py); a crash leaves the hold
-        # to expire and the sweeper releases it.
-        done = asyncio.create_task(_close(meter, outcome, remembered, response))
-        app[SETTLEMENTS].add(done)
-        done.add_done_callback(app[SETTLEMENTS].discard)
+        meter.settle(app[SETTLER], app[LEDGER].settle_script, result)
+        if claimed and claim is not None:
+            _keep_or_release(request, claim, result, response)
 
 
-async def _close(meter: ChatMeter, outcome: Result, remembered: idempotency.Claim | None,
-                 response: web.StreamResponse | None) -> None:
-    """Settle exactly once; then keep the result for idempotent retries, or give the key back."""
-    await meter.settle(outcome)
-    if remembered is None:
+async def _count_refused(request: web.Request, principal: Principal, tier: TierPolicy) -> None:
+    """Count a request refused before admission; a 429 replaces its own error, an unreachable
+    store does not (the client's own fault is the better answer then)."""
+    try:
+        window = await request.app[ADMITTER].count(principal, principal.tier, tier)
+    except GatewayError as exc:
+        if exc.kind is ErrorKind.RATE_LIMITED:
+            raise
         return
-    try:
-        if response is None or outcome.status != Outcome.COMPLETED:
-            await remembered.release()  # nothing charged: a retry runs for real
-        elif isinstance(response, web.Response) and isinstance(response.body, bytes):
-            await remembered.store(response.status, response.content_type, response.body)
-        else:
-            await remembered.store(response.status, response.headers["Content-Type"],
-                                   b"".join(outcome.captured or ()))
-    except RedisError:
-        pass  # the claim expires with its TTL
+    request[RESPONSE_HEADERS] = window.headers()
 
 
-async def _idempotency_claim(request: web.Request, account: str, route: str, raw: bytes
-                             ) -> idempotency.Claim | web.Response | None:
+async def _admit(request: web.Request, meter: ChatMeter, tier: TierPolicy) -> Window:
+    principal = meter.principal
+    meter.stage = Stage.ADMITTING
     try:
-        return await idempotency.claim(request.app[REDIS], account, route, request, raw)
+        window = await request.app[ADMITTER].admit(principal, principal.tier, tier, meter.hold)
+    except InsufficientCredits as exc:
+        meter.stage = Stage.REFUSED
+        raise GatewayError(
+            ErrorKind.INSUFFICIENT_CREDITS,
+            f"this request may cost up to {format_credits(exc.needed)} credits and "
+            f"{format_credits(exc.available)} are available",
+        ) from None
+    except GatewayError as exc:
+        if exc.kind is not ErrorKind.UNAVAILABLE:  # 429: refused for sure; 503: unknown
+            meter.stage = Stage.REFUSED
+        raise
+    meter.stage = Stage.ADMITTED
+    return window
+
+
+async def _acquire(request: web.Request, claim: idempotency.Claim, principal: Principal,
+                   tier: TierPolicy) -> web.Response | None:
+    """Claim the Idempotency-Key before anything is held. A replay, a duplicate still running
+    (409) or a key reused for another body (422) is counted like any refused request."""
+    config = request.app[CONFIG].upstream
+    pending_ttl = int(2 * (config.connect_timeout_s + config.first_byte_timeout_s)
+                      + config.max_stream_s) + 60  # about as long as a request may run
+    try:
+        replay = await claim.acquire(request.app[REDIS], pending_ttl)
     except RedisError:
         raise store_unavailable("idempotency store") from None
+    except GatewayError:
+        await _count_refused(request, principal, tier)
+        raise
+    if replay is not None:
+        await _count_refused(request, principal, tier)
+    return replay
 
 
-async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, pool: Pool,
-                   mode: str, request_id: str, outcome: Result) -> web.StreamResponse:
+def _keep_or_release(request: web.Request, claim: idempotency.Claim, result: Result,
+                     response: web.StreamResponse | None) -> None:
+    """Queued after the settlement: keep a completed result for retries, else give the key
+    back (nothing was charged, so a retry runs for real)."""
+    settler = request.app[SETTLER]
+    if response is None or result.status != Outcome.COMPLETED:
+        settler.add(claim.release)
+    elif isinstance(response, web.Response) and isinstance(response.body, bytes):
+        body, content_type = response.body, response.content_type
+        settler.add(lambda pipe: claim.store(pipe, response.status, content_type, body))
+    else:
+        captured = b"".join(result.captured or ())
+        content_type = response.headers["Content-Type"]
+        settler.add(lambda pipe: claim.store(pipe, response.status, content_type, captured))
+
+
+async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: int, pool: Pool,
+                   mode: str, request_id: str, result: Result) -> web.StreamResponse:
     """Translate, call the upstream, relay the answer; record the outcome for metering."""
     app = request.app
     task_id = f"{mode}:{uuid.uuid4()}"
@@ -143,34 +190,31 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, pool:
         "Accept": "text/event-stream" if call.stream else "application/json",
         "X-Request-Id": request_id,
     }
-    try:
-        async with app[UPSTREAMS].call(
-            pool, CHAT_UPSTREAM_PATH,
-            lambda backend: wire.upstream_body(call.openai_body, call.stream,
-                                                        backend.spec.kind),
-            headers, request.headers,
-        ) as (backend, upstream):
-            if call.stream:
-                outcome.chunks = wire.ChunkFilter(backend.spec.kind, call.model,
-                                                           call.want_usage)
-                response, result = await relay_stream(
-                    request, upstream, outcome.chunks, style.encoder(call, task_id),
-                    {**request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request_id,
-                     "X-Task-Id": task_id},
-                    capture=outcome.captured,
-                )
-                outcome.status = result.outcome
-                return response
-            completion = await _read_completion(upstream)
-    except GatewayError:
-        outcome.status = Outcome.UPSTREAM_ERROR
-        raise
+    reply_headers = {**request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request_id,
+                     "X-Task-Id": task_id}
+    result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
+    async with app[UPSTREAMS].call(
+        pool, CHAT_UPSTREAM_PATH,
+        lambda backend: wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap),
+        headers, request.headers,
+    ) as (backend, upstream):
+        if call.stream:
+            result.chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
+            response, stream = await relay_stream(
+                request, upstream, result.chunks, style.encoder(call, task_id), reply_headers,
+                capture=result.captured, max_s=app[CONFIG].upstream.max_stream_s,
+            )
+            result.status = stream.outcome
+            return response
+        completion = await _read_completion(upstream)
     completion = wire.fix_response(completion, backend.spec.kind, call.model)
-    outcome.status, outcome.usage = Outcome.COMPLETED, completion.get("usage")
-    return web.Response(
-        body=orjson.dumps(style.response(completion, call, task_id, mode)),
-        content_type="application/json", headers={"X-Task-Id": task_id},
-    )
+    body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
+    response = web.Response(body=body, content_type="application/json", headers=reply_headers)
+    result.status = Outcome.CLIENT_GONE  # until the answer is out
+    await response.prepare(request)
+    await response.write_eof()
+    result.status, result.usage = Outcome.COMPLETED, completion.get("usage")
+    return response
 
 
 def _parsed(style: ChatStyle, body: dict[str, Any]) -> ChatCall:

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from proxy.app import build_app
-from proxy.appkeys import SETTLEMENTS
+from proxy.appkeys import SETTLER
 from proxy.config import KeysPolicy, load_config
 from proxy.credits.ledger import Ledger
 from proxy.identity.keystore import KeyStore
@@ -161,19 +161,23 @@ async def settled(server: TestServer) -> None:
     quiet = 0
     for _ in range(400):
         await asyncio.sleep(0.005)
-        quiet = quiet + 1 if not server.app[SETTLEMENTS] else 0
+        quiet = quiet + 1 if not server.app[SETTLER].pending else 0
         if quiet >= 3:
             return
     raise AssertionError("settlements still running after 2 s")
 
 
 async def assert_ledger_reconciles(redis_url: str) -> None:
-    """Reconcile runs clean after every test that spends (settlements may still be landing)."""
+    """Reconcile runs clean after every test that spends (settlements may still be landing), and
+    no hold is left open: every request ended its hold."""
     redis = Redis.from_url(redis_url)
     try:
         ledger = Ledger(redis)
         for _ in range(40):
             problems = await ledger.reconcile()
+            for account in await ledger.accounts():
+                if await ledger.open_holds(account):
+                    problems.append(f"{account}: holds still open")
             if not problems:
                 return
             await asyncio.sleep(0.05)

@@ -1,7 +1,9 @@
-"""What account holders see of their credits and usage.
+"""What account holders see of their credits and usage. Both routes count against the caller's
+rate limit like any request (they read the store, so they must not be free to hammer).
 
-    GET  /v2/account                    tier, balance (available / held / spent), rate limit left
-    GET  /v2/account/usage              totals, per model, per day, and the journal (paginated)
+    GET  /v2/account        tier, balance (available / held / spent), rate limit left
+    GET  /v2/account/usage  totals, per model, per day (running totals the settlement keeps), and
+                            one page of the journal (`?limit=50&before=<id>`)
 """
 
 from __future__ import annotations
@@ -14,21 +16,26 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from proxy.appkeys import LEDGER, LIMITER, LIVE, RESPONSE_HEADERS
-from proxy.credits.ledger import Ledger
+from proxy.appkeys import ADMITTER, LEDGER, LIVE, RESPONSE_HEADERS
 from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
 from proxy.policy.tiers import tier_of
 
 PAGE_MAX = 200
-_ADMIN_BODY_CAP = 16 * 1024
+_STREAM_ID_CHARS = frozenset("0123456789-")
+_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost")
 
 
-async def _principal(request: web.Request) -> Principal:
-    principal = await request.app[LIVE].current.auth.principal(request.headers, request.remote)
+async def _caller(request: web.Request) -> Principal:
+    """A keyed caller, counted against its tier's rate (429 past it)."""
+    snapshot = request.app[LIVE].current
+    principal = await snapshot.auth.principal(request.headers, request.remote)
     if principal.kind == "guest":
         raise GatewayError(ErrorKind.INVALID_API_KEY, "an API key or token is required")
+    tier = tier_of(snapshot.policies.tiers, principal.tier)
+    window = await request.app[ADMITTER].count(principal, principal.tier, tier)
+    request[RESPONSE_HEADERS] = window.headers()
     return principal
 
 
@@ -37,82 +44,70 @@ def _money(micro: int) -> dict[str, Any]:
 
 
 async def account(request: web.Request) -> web.Response:
-    principal = await _principal(request)
+    principal = await _caller(request)
     snapshot = request.app[LIVE].current
-    tier = tier_of(snapshot.policies.tiers, principal.tier)
     try:
         balance = await request.app[LEDGER].balance(principal.account)
-        window = await request.app[LIMITER].peek(principal.tier, tier, principal.account)
     except RedisError:
         raise store_unavailable("account store") from None
-    request[RESPONSE_HEADERS] = window.headers()
+    limits = request[RESPONSE_HEADERS]
     return _json({
         "account": principal.account,
         "tier": principal.tier,
         "key_id": principal.key_id,
         "balance": {"available": _money(balance.available), "held": _money(balance.held),
                     "spent": _money(balance.spent), "credited": _money(balance.credited)},
-        "rate_limit": {"limit": window.limit, "remaining": window.remaining,
-                       "reset_s": window.reset_s, "per": "minute"},
+        "rate_limit": {"limit": int(limits["X-RateLimit-Limit"]),
+                       "remaining": int(limits["X-RateLimit-Remaining"]),
+                       "reset_s": int(limits["X-RateLimit-Reset"]), "per": "minute"},
         "price_version": snapshot.policies.prices.version,
     })
 
 
 async def usage(request: web.Request) -> web.Response:
-    """Totals and breakdowns over the journal's charges (newest page first)."""
-    principal = await _principal(request)
-    ledger: Ledger = request.app[LEDGER]
+    """Totals and breakdowns, then the journal newest first, a page at a time."""
+    principal = await _caller(request)
     try:
         limit = min(PAGE_MAX, max(1, int(request.query.get("limit", "50"))))
     except ValueError:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "limit must be a whole number") from None
     before = request.query.get("before") or None
+    if before is not None and (len(before) > 41 or not set(before) <= _STREAM_ID_CHARS):
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "before must be a `next_before` value")
+    ledger = request.app[LEDGER]
     try:
-        everything = await ledger.all_entries(principal.account)
+        totals = await ledger.usage_totals(principal.account)
         page = await ledger.entries(principal.account, before=before, count=limit)
     except RedisError:
         raise store_unavailable("account store") from None
     return _json({
         "account": principal.account,
-        **summarize(everything),
+        **summarize(totals),
         "entries": [{"id": entry_id, **fields} for entry_id, fields in page],
         "next_before": page[-1][0] if len(page) == limit else None,
     })
 
 
-def summarize(entries: list[dict[str, str]]) -> dict[str, Any]:
-    """Totals, per-model and per-day breakdowns of charges (pure)."""
-    totals = _Tally()
-    by_model: dict[str, _Tally] = defaultdict(_Tally)
-    by_day: dict[str, _Tally] = defaultdict(_Tally)
-    for entry in entries:
-        if entry.get("type") != "charge" or "model" not in entry:
-            continue
-        day = time.strftime("%Y-%m-%d", time.gmtime(int(entry.get("ts", "0"))))
-        for tally in (totals, by_model[entry["model"]], by_day[day]):
-            tally.add(entry)
-    return {
-        "totals": totals.view(),
-        "by_model": {model: t.view() for model, t in sorted(by_model.items())},
-        "by_day": {day: t.view() for day, t in sorted(by_day.items())},
-    }
+def summarize(totals: dict[str, int]) -> dict[str, Any]:
+    """The settle script's running totals (`all|…`, `m|<model>|…`, `d|<day>|…`) as the API
+    shows them. Pure."""
+    scopes: dict[str, dict[str, int]] = defaultdict(dict)
+    for field, value in totals.items():
+        scope, _, name = field.rpartition("|")
+        scopes[scope][name] = value
+    by_model = {scope[2:]: _view(v) for scope, v in sorted(scopes.items())
+                if scope.startswith("m|")}
+    by_day = {time.strftime("%Y-%m-%d", time.gmtime(int(scope[2:]) * 86400)): _view(v)
+              for scope, v in sorted(scopes.items(), key=lambda kv: kv[0])
+              if scope.startswith("d|")}
+    return {"totals": _view(scopes.get("all", {})), "by_model": by_model,
+            "by_day": dict(sorted(by_day.items()))}
 
 
-class _Tally:
-    __slots__ = ("completion", "cost", "prompt", "requests")
-
-    def __init__(self) -> None:
-        self.requests = self.prompt = self.completion = self.cost = 0
-
-    def add(self, entry: dict[str, str]) -> None:
-        self.requests += 1
-        self.prompt += int(entry.get("prompt_tokens", "0"))
-        self.completion += int(entry.get("completion_tokens", "0"))
-        self.cost += int(entry.get("cost", "0"))
-
-    def view(self) -> dict[str, Any]:
-        return {"requests": self.requests, "prompt_tokens": self.prompt,
-                "completion_tokens": self.completion, "cost": _money(self.cost)}
+def _view(counts: dict[str, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: counts.get(name, 0) for name in _FIELDS}
+    out["cost"] = _money(out["cost"])
+    return out
 
 
 def _json(body: dict[str, Any], status: int = 200) -> web.Response:

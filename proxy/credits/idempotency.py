@@ -1,26 +1,31 @@
 """`Idempotency-Key` on a POST: a retry replays the first result with one charge (as Stripe does).
 
 The first request with a key claims it (atomically, SET NX) with a fingerprint of its route and
-body; its successful result — status, content type and body, a stream's bytes included — is
-stored for 24 hours. Then, for the same caller and key:
+body. The claim is "pending" for about as long as a request may run (`pending_ttl_s`); its
+successful result — status, content type and body, a stream's bytes included — then replaces it
+for 24 hours. For the same caller and key:
 
 - same body, first one finished: the stored result is replayed; nothing runs, nothing is charged;
 - same body, first one still running: 409, retry later;
 - a different body: 422, the key was already used for another request.
 
-A first request that fails (no backend, upstream error, 4xx) gives its claim back, so a retry runs
-for real: nothing was charged for it (see metering). Keys are scoped to the caller's account.
+A first request that fails (no backend, upstream error, 4xx), or whose result cannot be kept,
+gives its claim back, so a retry runs for real: nothing was charged for it (see metering). Keys
+are scoped to the caller's account. The claim is known (`Claim.key`) before it is made, so a
+request cancelled while claiming still gives it back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from proxy.errors import ErrorKind, GatewayError
 
@@ -34,54 +39,57 @@ PENDING_POLLS = 20
 PENDING_POLL_S = 0.05
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Claim:
-    redis: Redis
     key: str
     fingerprint: str
 
-    async def store(self, status: int, content_type: str, body: bytes) -> None:
+    async def acquire(self, redis: Redis, pending_ttl_s: int) -> web.Response | None:
+        """Claim the key: None for a first request, the stored Response for a retry."""
+        pending = orjson.dumps({"fingerprint": self.fingerprint}) + b"\n" + _PENDING
+        if await redis.set(self.key, pending, nx=True, ex=pending_ttl_s):
+            return None
+        # The first may be finishing (a stream's last bytes go out before its result is stored):
+        # wait a moment for it before calling this a concurrent duplicate.
+        for _ in range(PENDING_POLLS):
+            stored = await redis.get(self.key)
+            if stored is None:  # expired or released in between: run it as a first request
+                return await self.acquire(redis, pending_ttl_s)
+            raw = stored if isinstance(stored, bytes) else stored.encode()
+            head, _, body = raw.partition(b"\n")
+            record = orjson.loads(head)
+            if record.get("fingerprint") != self.fingerprint:
+                raise _invalid("was already used with a different request")
+            if "status" in record:
+                return web.Response(status=record["status"], body=body, headers={
+                    "Content-Type": record["content_type"], "Idempotent-Replayed": "true"})
+            await asyncio.sleep(PENDING_POLL_S)
+        raise GatewayError(ErrorKind.CONFLICT, "a request with this Idempotency-Key is still "
+                           "running; retry when it has finished", headers={"Retry-After": "1"})
+
+    def store(self, pipe: Pipeline, status: int, content_type: str, body: bytes) -> None:
+        """Keep the result for retries (queued after the settlement); too large: give back."""
         if len(body) > MAX_STORED_BYTES:
-            await self.release()
+            self.release(pipe)
             return
         record = {"fingerprint": self.fingerprint, "status": status,
                   "content_type": content_type}
-        await self.redis.set(self.key, orjson.dumps(record) + b"\n" + body, ex=TTL_S)
+        pipe.set(self.key, orjson.dumps(record) + b"\n" + body, ex=TTL_S)
 
-    async def release(self) -> None:
-        await self.redis.delete(self.key)
+    def release(self, pipe: Pipeline) -> None:
+        pipe.delete(self.key)
 
 
-async def claim(redis: Redis, account: str, route: str, request: web.Request, raw: bytes
-                ) -> Claim | web.Response | None:
-    """None without the header; a Claim for a first request; the stored Response for a retry."""
-    given = request.headers.get(HEADER)
+def claim_for(account: str, route: str, headers: Mapping[str, str], raw: bytes) -> Claim | None:
+    """The request's claim (not yet made), or None without the header. Pure."""
+    given = headers.get(HEADER)
     if given is None:
         return None
     if not 0 < len(given) <= MAX_KEY_LENGTH:
         raise _invalid(f"must be 1 to {MAX_KEY_LENGTH} characters")
     scope = hashlib.sha256(f"{account}\0{given}".encode()).hexdigest()
-    key = f"igw:{{{account}}}:idem:{scope}"
     fingerprint = hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()
-    pending = orjson.dumps({"fingerprint": fingerprint}) + b"\n" + _PENDING
-    if await redis.set(key, pending, nx=True, ex=TTL_S):
-        return Claim(redis, key, fingerprint)
-    # The first may be finishing (a stream's last bytes go out before its result is stored):
-    # wait a moment for it before calling this a concurrent duplicate.
-    for _ in range(PENDING_POLLS):
-        stored = await redis.get(key)
-        if stored is None:  # expired or released in between: run it as a first request
-            return await claim(redis, account, route, request, raw)
-        head, _, body = (stored if isinstance(stored, bytes) else stored.encode()).partition(b"\n")
-        record = orjson.loads(head)
-        if record.get("fingerprint") != fingerprint:
-            raise _invalid("was already used with a different request")
-        if "status" in record:
-            return web.Response(status=record["status"], body=body, headers={
-                "Content-Type": record["content_type"], "Idempotent-Replayed": "true"})
-        await asyncio.sleep(PENDING_POLL_S)
-    raise GatewayError(ErrorKind.CONFLICT, "a request with this Idempotency-Key is still "
-                       "running; retry when it has finished", headers={"Retry-After": "1"})
+    return Claim(f"igw:{{{account}}}:idem:{scope}", fingerprint)
 
 
 def _invalid(problem: str) -> GatewayError:

@@ -1,17 +1,22 @@
-"""The credit ledger in Redis: the only writer of balances. Every change is one atomic Lua script.
+"""The credit ledger in Redis: the only writer of balances. Every change is one atomic Lua script
+(credits/lua/): admit (limit + hold), settle, credit, sweep.
 
 Per account A (keys share the hash tag `{A}`, so each script stays in one Cluster slot):
 
-    igw:{A}:bal       hash    available, held, spent, credited     (integer micro-credits)
+    igw:{A}:bal       hash    available, held, spent, credited; trimmed_credited, trimmed_spent
     igw:{A}:holds     hash    hold id -> amount held
-    igw:{A}:hold_exp  zset    hold id -> expiry (unix seconds)
+    igw:{A}:hold_exp  zset    hold id -> expiry (unix seconds on Redis' clock)
     igw:{A}:journal   stream  one entry per credit and one terminal entry per hold
+    igw:{A}:usage     hash    running totals: all|…, m|<model>|…, d|<day number>|… (requests,
+                              prompt_tokens, completion_tokens, cost), kept by the settle script
+    igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)
 
 Value moves credited -> available -> held -> spent (or back to available), so at every moment
-`credited == available + held + spent`, `held == sum(holds)`, and replaying the journal gives
-`credited` (its credit entries) and `spent` (its charges). `reconcile()` checks exactly that.
-A hold ends exactly once: the settle script does nothing when the hold is already gone, so a
-settle racing the sweeper (or a retry) can never charge twice.
+`credited == available + held + spent` and `held == sum(holds)`. The journal keeps the newest
+`journal_max_entries` money entries; older ones are folded into the `trimmed_*` checkpoint as
+they go, so checkpoint + journal still replay to `credited` and `spent`. `reconcile()` checks
+exactly that. A hold ends exactly once: the settle script does nothing when the hold is already
+gone, so a settle racing the sweeper (or a retry) can never charge twice.
 
 Outside the slot, an index `igw:ledger:accounts` (set) lets the sweeper and reconcile find
 accounts; it is only an index — losing an entry never changes money.
@@ -19,20 +24,42 @@ accounts; it is only an index — losing an entry never changes money.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
+import orjson
 from redis.asyncio import Redis
 
 ACCOUNTS = "igw:ledger:accounts"
+Arg = bytes | str | int | float  # what a script's ARGV takes
+# Journal fields that are numbers; every other field is text, and `details` is a JSON object.
+_NUMBERS = frozenset({"held", "cost", "amount"})
 
 
 def lua_script(name: str) -> str:
     """A script from credits/lua/ (files, so they read as Lua and diff as Lua)."""
     return (resources.files("proxy.credits") / "lua" / f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True, slots=True)
+class AccountKeys:
+    balance: str
+    holds: str
+    hold_expiry: str
+    journal: str
+    usage: str
+
+    @classmethod
+    def of(cls, account: str) -> AccountKeys:
+        tag = f"igw:{{{account}}}"
+        return cls(f"{tag}:bal", f"{tag}:holds", f"{tag}:hold_exp", f"{tag}:journal",
+                   f"{tag}:usage")
+
+    def window(self, tier: str) -> str:
+        return self.balance[:-3] + f"rl:{tier}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +77,8 @@ class InsufficientCredits(Exception):
         self.needed = needed
 
 
-def _keys(account: str) -> tuple[str, str, str, str]:
-    tag = f"igw:{{{account}}}"
-    return f"{tag}:bal", f"{tag}:holds", f"{tag}:hold_exp", f"{tag}:journal"
+def new_hold_id() -> str:
+    return uuid.uuid4().hex
 
 
 def _text(value: object) -> str:
@@ -64,109 +90,128 @@ def _fields(raw: object) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
-def _pairs(entry: Mapping[str, object]) -> list[str]:
-    return [str(item) for pair in entry.items() for item in pair]
+def journal_entry(raw: object) -> dict[str, Any]:
+    """A journal entry as JSON-ready data: numbers as numbers, `details` merged in."""
+    fields = _fields(raw)
+    details = fields.pop("details", "{}")
+    entry: dict[str, Any] = {k: int(v) if k in _NUMBERS else v for k, v in fields.items()}
+    parsed = orjson.loads(details)
+    if isinstance(parsed, dict):
+        entry.update({k: v for k, v in parsed.items() if k not in entry})
+    return entry
 
 
 class Ledger:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._indexed: set[str] = set()  # accounts this process already put in the index
         # register_script: EVALSHA, reloading the script on NOSCRIPT (e.g. after a restart).
-        self._hold = redis.register_script(lua_script("hold"))
-        self._settle = redis.register_script(lua_script("settle"))
+        self.admit_script = redis.register_script(lua_script("admit"))
+        self.settle_script = redis.register_script(lua_script("settle"))
         self._credit = redis.register_script(lua_script("credit"))
         self._sweep = redis.register_script(lua_script("sweep"))
 
-    async def credit(self, account: str, amount: int, entry: Mapping[str, object]) -> int:
+    async def credit(self, account: str, amount: int, details: Mapping[str, object]) -> int:
         """Top up (or adjust, when negative); journaled. Returns the new available balance."""
-        bal, _, _, journal = _keys(account)
-        await self._index(account)
-        ok, available = await self._credit(keys=[bal, journal], args=[amount, *_pairs(entry)])
+        keys = AccountKeys.of(account)
+        await self.redis.sadd(ACCOUNTS, account)
+        ok, available = await self._credit(keys=[keys.balance, keys.journal],
+                                           args=[amount, orjson.dumps(details)])
         if not ok:
             raise InsufficientCredits(int(available), -amount)
         return int(available)
 
     async def hold(self, account: str, amount: int, ttl_s: int) -> str:
-        """Reserve `amount`; raises InsufficientCredits. Returns the hold id."""
-        hold_id = uuid.uuid4().hex
-        await self._index(account)  # first: a crash after it is harmless
-        bal, holds, expiry, _ = _keys(account)
-        ok, available = await self._hold(
-            keys=[bal, holds, expiry], args=[hold_id, amount, int(time.time()) + ttl_s]
-        )
-        if ok != 1:
+        """Reserve `amount` outside any rate limit (admission does both in one step); raises
+        InsufficientCredits. Returns the hold id."""
+        hold_id = new_hold_id()
+        keys = AccountKeys.of(account)
+        await self.redis.sadd(ACCOUNTS, account)
+        status, _, _, available = await self.admit_script(
+            keys=[keys.window("none"), keys.balance, keys.holds, keys.hold_expiry],
+            args=[0, 0, hold_id, amount, ttl_s])
+        if status != 1:
             raise InsufficientCredits(int(available), amount)
         return hold_id
 
     async def settle(self, account: str, hold_id: str, cost: int,
-                     entry: Mapping[str, object]) -> int | None:
+                     details: Mapping[str, object], *, status: str = "completed",
+                     keep: int = 100_000) -> int | None:
         """End the hold: charge min(cost, held), release the rest, journal it. Exactly once:
-        None when the hold had already ended (settled, released or swept)."""
-        charged = await self._settle(keys=list(_keys(account)),
-                                     args=[hold_id, cost, *_pairs(entry)])
+        None when the hold had already ended (settled, released or swept). (Requests settle
+        through `credits.settler`, batched; this is the same script, one call.)"""
+        keys, args = settle_call(account, hold_id, cost, status, "", 0, 0, details, keep, 0)
+        charged = await self.settle_script(keys=keys, args=args)
         return None if int(charged) < 0 else int(charged)
 
-    async def _index(self, account: str) -> None:
-        """Put the account in the sweeper's index once per process (not a round trip per hold)."""
-        if account not in self._indexed:
-            await self.redis.sadd(ACCOUNTS, account)
-            if len(self._indexed) > 100_000:
-                self._indexed.clear()
-            self._indexed.add(account)
-
-    async def journal(self, account: str, entry: Mapping[str, object]) -> None:
-        """A usage entry with no money moved (guests)."""
-        await self.redis.xadd(_keys(account)[3], {k: str(v) for k, v in entry.items()})
-
     async def balance(self, account: str) -> Balance:
-        get = {k: int(v) for k, v in _fields(await self.redis.hgetall(_keys(account)[0])).items()}
+        raw = _fields(await self.redis.hgetall(AccountKeys.of(account).balance))
+        get = {k: int(v) for k, v in raw.items()}
         return Balance(get.get("available", 0), get.get("held", 0), get.get("spent", 0),
                        get.get("credited", 0))
 
-    async def sweep(self, now: float | None = None) -> int:
+    async def sweep(self) -> int:
         """Release expired holds in every account; returns how many were released."""
         released = 0
         async for raw in self.redis.sscan_iter(ACCOUNTS):
-            account = _text(raw)
-            released += int(await self._sweep(keys=list(_keys(account)),
-                                              args=[int(now if now is not None else time.time())]))
+            keys = AccountKeys.of(_text(raw))
+            released += int(await self._sweep(
+                keys=[keys.balance, keys.holds, keys.hold_expiry, keys.journal]))
         return released
 
     async def entries(self, account: str, *, before: str | None = None, count: int = 50
-                      ) -> list[tuple[str, dict[str, str]]]:
+                      ) -> list[tuple[str, dict[str, Any]]]:
         """Journal entries, newest first; page with `before` = the last id of the previous page."""
         end = f"({before}" if before else "+"
-        rows = await self.redis.xrevrange(_keys(account)[3], max=end, min="-", count=count)
-        return [(_text(i), _fields(f)) for i, f in rows or ()]
+        rows = await self.redis.xrevrange(AccountKeys.of(account).journal, max=end, min="-",
+                                          count=count)
+        return [(_text(i), journal_entry(f)) for i, f in rows or ()]
 
-    async def all_entries(self, account: str) -> list[dict[str, str]]:
-        out: list[dict[str, str]] = []
+    async def all_entries(self, account: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         start = "-"
         while True:
-            rows = list(await self.redis.xrange(_keys(account)[3], min=start, max="+",
-                                                count=1000) or ())
-            out.extend(_fields(f) for _, f in rows)
+            rows = list(await self.redis.xrange(AccountKeys.of(account).journal, min=start,
+                                                max="+", count=1000) or ())
+            out.extend(journal_entry(f) for _, f in rows)
             if len(rows) < 1000:
                 return out
             start = "(" + _text(rows[-1][0])
 
+    async def usage_totals(self, account: str) -> dict[str, int]:
+        """The running totals the settle script keeps (field -> integer)."""
+        raw = _fields(await self.redis.hgetall(AccountKeys.of(account).usage))
+        return {k: int(v) for k, v in raw.items()}
+
     async def accounts(self) -> list[str]:
         return sorted(_text(m) for m in await self.redis.smembers(ACCOUNTS))
 
+    async def open_holds(self, account: str) -> dict[str, int]:
+        """Open holds: hold id -> expiry (unix seconds)."""
+        rows = await self.redis.zrange(AccountKeys.of(account).hold_expiry, 0, -1,
+                                       withscores=True)
+        return {_text(row[0]): int(row[1]) for row in rows}
+
     async def reconcile(self, accounts: Iterable[str] | None = None) -> list[str]:
-        """Every way the ledger could disagree with itself; empty when it adds up."""
+        """Every way the ledger could disagree with itself; empty when it adds up. Holds past
+        their expiry that no sweep has released yet count as a disagreement."""
         problems: list[str] = []
+        now = int((await self.redis.time())[0])
         for account in accounts if accounts is not None else await self.accounts():
-            problems.extend(await self._reconcile_one(account))
+            problems.extend(await self._reconcile_one(account, now))
         return problems
 
-    async def _reconcile_one(self, account: str) -> list[str]:
-        bal = await self.balance(account)
-        holds = _fields(await self.redis.hgetall(_keys(account)[1]))
+    async def _reconcile_one(self, account: str, now: int) -> list[str]:
+        keys = AccountKeys.of(account)
+        raw = {k: int(v) for k, v in _fields(await self.redis.hgetall(keys.balance)).items()}
+        bal = Balance(raw.get("available", 0), raw.get("held", 0), raw.get("spent", 0),
+                      raw.get("credited", 0))
+        holds = _fields(await self.redis.hgetall(keys.holds))
+        expiries = await self.open_holds(account)
         entries = await self.all_entries(account)
-        credited = sum(int(e["amount"]) for e in entries if e.get("type") == "credit")
-        spent = sum(int(e["cost"]) for e in entries if e.get("type") == "charge")
+        credited = raw.get("trimmed_credited", 0) + sum(
+            e["amount"] for e in entries if e.get("type") == "credit")
+        spent = raw.get("trimmed_spent", 0) + sum(
+            e["cost"] for e in entries if e.get("type") == "charge")
         ended = [e["hold"] for e in entries if e.get("type") == "charge"]
         problems = []
         if bal.credited != bal.available + bal.held + bal.spent:
@@ -185,4 +230,17 @@ class Ledger:
         open_ended = set(holds) & set(ended)
         if open_ended:
             problems.append(f"{account}: holds both open and ended: {sorted(open_ended)}")
+        overdue = sorted(h for h, expiry in expiries.items() if expiry < now)
+        if overdue:
+            problems.append(f"{account}: {len(overdue)} hold(s) past their expiry and not yet "
+                            "released (run `credits sweep`)")
         return problems
+
+
+def settle_call(account: str, hold_id: str, cost: int, status: str, model: str, prompt: int,
+                completion: int, details: Mapping[str, object], keep: int, ttl_s: int
+                ) -> tuple[list[str], list[Arg]]:
+    """KEYS and ARGV of one settle script call (see lua/settle.lua)."""
+    keys = AccountKeys.of(account)
+    return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage],
+            [hold_id, cost, status, model, prompt, completion, orjson.dumps(details), keep, ttl_s])

@@ -1,39 +1,30 @@
-"""One request's credits: the hold before it runs, and its settlement after, exactly once.
+"""One request's credits: the worst case it holds, and its settlement, queued exactly once.
 
-`open_chat_meter` holds the worst case (402 when the balance cannot cover it); `ChatMeter.settle`
-charges what the request actually used on every exit path — success, upstream failure (nothing),
-cut stream or client gone (what was delivered), timeout, cancellation — and journals it. The
-pipeline runs it under `asyncio.shield`, so a cancelled request still settles; if Redis is
-unreachable then, the hold expires and the sweeper releases it (never an over-charge).
-Guests hold nothing and pay nothing, but their usage is journaled.
+`open_chat_meter` prices the request's worst case (pure: the hold itself is placed by admission,
+in the same Redis step as the rate limit); `ChatMeter.settle` charges what the request actually
+used on every exit path — success, upstream failure (nothing), cut stream or client gone (what was
+delivered), timeout, cancellation — and journals it. It queues the write (credits.settler) and
+returns at once, so it cannot be interrupted half-way and never delays the answer. Guests hold
+nothing and pay nothing, but their usage is journaled.
 """
 
 from __future__ import annotations
 
-import logging
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.commands.core import AsyncScript
 
 from proxy.config import PricesPolicy, Rates
-from proxy.credits.ledger import InsufficientCredits, Ledger
-from proxy.credits.pricing import (
-    ChatUsage,
-    chat_cost,
-    chat_hold,
-    format_credits,
-    prompt_estimate,
-    usage_from,
-)
-from proxy.errors import ErrorKind, GatewayError, store_unavailable
+from proxy.credits.ledger import new_hold_id, settle_call
+from proxy.credits.pricing import ChatUsage, chat_cost, chat_hold, prompt_estimate, usage_from
+from proxy.credits.settler import Settler
 from proxy.identity.principal import Principal
 from proxy.outcome import Outcome
-from proxy.styles.base import ChatCall
+from proxy.policy.admission import Hold
 from proxy.upstream.wire import ChunkFilter
-
-log = logging.getLogger("proxy.credits.meter")
 
 
 @dataclass(slots=True)
@@ -46,44 +37,61 @@ class Result:
     captured: list[bytes] | None = None  # a stream's bytes as sent (for idempotent replay)
 
 
+class Stage(enum.Enum):
+    """How far admission got: whether a hold may exist that the settlement must end."""
+
+    BEFORE = enum.auto()  # not tried: nothing to end
+    ADMITTING = enum.auto()  # asked, answer unknown (cancelled, store unreachable): may exist
+    ADMITTED = enum.auto()  # held (a guest: counted)
+    REFUSED = enum.auto()  # 429 / 402: nothing held
+
+
 @dataclass(slots=True)
 class ChatMeter:
-    ledger: Ledger
     principal: Principal
     rates: Rates
+    prices: PricesPolicy
     body: dict[str, Any]
-    entry: dict[str, object]  # the journal fields known at admission
-    hold_id: str | None = None
+    model: str
+    details: dict[str, object]  # the journal fields known at admission
+    hold: Hold | None  # None for guests
+    stage: Stage = Stage.BEFORE
     started: float = field(default_factory=time.monotonic)
     _settled: bool = False
 
-    async def settle(self, result: Result) -> None:
-        """Charge what was used (or journal it, for guests); exactly once."""
+    def settle(self, settler: Settler, script: AsyncScript, result: Result) -> None:
+        """Queue the charge of what was used (or the release, or a guest's journal entry).
+
+        Safe to call whatever happened before: a hold that may exist is ended (the settle script
+        does nothing for one that was never placed). Exactly once."""
         if self._settled:
             return
         self._settled = True
-        usage = self._usage(result)
-        cost = chat_cost(self.rates, usage) if usage else 0
-        entry = {
-            **self.entry,
-            "status": result.status,
-            "prompt_tokens": usage.prompt_tokens if usage else 0,
-            "completion_tokens": usage.completion_tokens if usage else 0,
-            "estimated": int(usage.estimated) if usage else 0,
+        if self.stage in (Stage.BEFORE, Stage.REFUSED):
+            return  # nothing held, nothing used
+        if self.hold is None and self.stage is not Stage.ADMITTED:
+            return  # a guest that was not admitted used nothing
+        usage = self._usage(result) or ChatUsage(0, 0)
+        cost = chat_cost(self.rates, usage)
+        details = {
+            **self.details,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "estimated": usage.estimated,
             "price": cost,
             "latency_ms": int((time.monotonic() - self.started) * 1000),
             "ts": int(time.time()),
         }
-        try:
-            if self.hold_id is None:
-                await self.ledger.journal(self.principal.account, {"type": "usage", "cost": 0,
-                                                                   **entry})
-            else:
-                await self.ledger.settle(self.principal.account, self.hold_id, cost, entry)
-        except RedisError:
-            # The hold (if any) expires and the sweeper releases it: the caller is not charged.
-            log.warning("settlement failed, left to the sweeper (request %s)",
-                        self.entry.get("request_id"))
+        prices = self.prices
+        if self.hold is None:
+            keep, ttl = prices.guest_journal_max_entries, prices.guest_journal_ttl_s
+        else:
+            keep, ttl = prices.journal_max_entries, 0
+        keys, args = settle_call(
+            self.principal.account, self.hold.hold_id if self.hold else "", cost,
+            result.status, self.model, usage.prompt_tokens, usage.completion_tokens, details, keep,
+            ttl)
+        settler.settle(script, keys, args)
 
     def _usage(self, result: Result) -> ChatUsage | None:
         chunks = result.chunks
@@ -96,31 +104,17 @@ class ChatMeter:
         return None
 
 
-async def open_chat_meter(
-    ledger: Ledger, prices: PricesPolicy, principal: Principal, call: ChatCall,
-    max_tokens: int | None, mode: str, route: str, request_id: str,
-) -> ChatMeter:
-    """Hold the request's worst case: 402 when the balance is short, 503 when the ledger is
-    unreachable (metered routes fail closed)."""
-    rates = prices.for_model(call.model, mode)
-    entry: dict[str, object] = {
-        "account": principal.account, "key_id": principal.key_id or "", "model": call.model,
-        "mode": mode, "route": route, "request_id": request_id,
-        "price_version": prices.version,
+def open_chat_meter(prices: PricesPolicy, principal: Principal, model: str, body: dict[str, Any],
+                    cap: int, mode: str, route: str, request_id: str) -> ChatMeter:
+    """Price the request's worst case (the completion cap times `n` plus a bound on the prompt)."""
+    rates = prices.for_model(model, mode)
+    details: dict[str, object] = {
+        "key_id": principal.key_id or "", "model": model, "mode": mode, "route": route,
+        "request_id": request_id, "price_version": prices.version,
     }
-    meter = ChatMeter(ledger, principal, rates, call.openai_body, entry)
-    if principal.kind == "guest":
-        return meter
-    worst = chat_hold(rates, call.openai_body, max_tokens or prices.default_max_tokens)
-    try:
-        meter.hold_id = await ledger.hold(principal.account, worst, prices.hold_ttl_s)
-    except InsufficientCredits as exc:
-        raise GatewayError(
-            ErrorKind.INSUFFICIENT_CREDITS,
-            f"this request may cost up to {format_credits(worst)} credits and "
-            f"{format_credits(exc.available)} are available",
-        ) from None
-    except RedisError:
-        raise store_unavailable("credit ledger") from None
-    meter.entry["held_max"] = worst
-    return meter
+    hold = None
+    if principal.kind != "guest":
+        worst = chat_hold(rates, body, cap)
+        hold = Hold(new_hold_id(), worst, prices.hold_ttl_s)
+        details["held_max"] = worst
+    return ChatMeter(principal, rates, prices, body, model, details, hold)

@@ -1,13 +1,20 @@
-"""Per-tier request rates on Redis through `limits`, exact across workers and gateways.
+"""Admission: the tier's rate limit and the credit hold, in one Redis round trip.
 
-Strategy: the moving window (a sliding log of timestamps, one atomic Lua script in Redis). It is
-exact — at most N requests in ANY 60-second span, with no double burst at a window boundary as a
-fixed window allows — and its cost is bounded by the largest tier rate (≤ a few hundred entries
-per account). Admission is `hit()` only: never `test()` then `hit()`, which would race.
+One Lua script (credits/lua/admit.lua) counts the request in the caller's sliding window (at most
+N requests in ANY 60 s, exact across every worker and gateway: no double burst at a window edge),
+reads the figures the rate-limit headers need from that same step, and places the credit hold.
+A keyed caller's window lives beside its balance (same hash tag, same Redis); a guest holds
+nothing, so its window lives on the counters' Redis, off the ledger's fsync path.
 
-When Redis is unreachable each tier follows its policy: fail open to a small per-process limit
-(counted in `failed_open`), or fail closed with 503 + Retry-After. Redis errors are counted in
-`store_errors`; service returns to normal on its own when Redis answers again.
+Every identified attempt counts: a request refused before its hold (bad body, no access) is
+counted by `count` (the same script without a hold), and the 429 beats its own error. A request
+the limit refuses counts nothing.
+
+When the store is unreachable: a keyed request cannot be metered, so it gets 503 (metered routes
+fail closed); a guest follows its tier's `store_down`: `open` admits up to the per-process
+fallback rate of `limits`' in-memory moving window (counted in `failed_open`), `closed` answers
+503. A busy connection pool is not a store that is down: it answers 503 "busy" and never opens
+the fallback.
 """
 
 from __future__ import annotations
@@ -18,19 +25,27 @@ import time
 from dataclasses import dataclass
 
 from limits import RateLimitItemPerMinute
-from limits.aio.storage import MemoryStorage, RedisStorage
+from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
-from limits.errors import StorageError
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from proxy.config import TierPolicy
+from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
+from proxy.identity.principal import Principal
+from proxy.runtime.redis_process import StoreBusy
 
 log = logging.getLogger("proxy.policy.admission")
 
+WINDOW_MS = 60_000
+ADMITTED, LIMITED, INSUFFICIENT, DUPLICATE_HOLD = 1, 0, 2, 3
+
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class Window:
+    """The caller's rate-limit window as this request left it."""
+
     limit: int
     remaining: int
     reset_s: int  # seconds until the window frees a slot
@@ -44,66 +59,82 @@ class Admission:
         }
 
 
-class RateLimiter:
-    def __init__(self, redis_url: str) -> None:
-        scheme, _, rest = redis_url.partition("://")
-        scheme = "redis+unix" if scheme == "unix" else scheme
-        self._storage = RedisStorage(
-            f"async+{scheme}://{rest}", implementation="redispy", wrap_exceptions=True,
-            key_prefix="igw:rl", socket_timeout=1.0, socket_connect_timeout=1.0,
-        )
-        self._limiter = MovingWindowRateLimiter(self._storage)
+@dataclass(frozen=True, slots=True)
+class Hold:
+    hold_id: str
+    amount: int
+    ttl_s: int
+
+
+class Admitter:
+    def __init__(self, ledger: Ledger, counters: Redis) -> None:
+        self._ledger = ledger
+        self._guest_admit = counters.register_script(ledger.admit_script.script)
         self._fallback = MovingWindowRateLimiter(MemoryStorage())
-        self.store_errors = 0
+        self._indexed: set[str] = set()  # accounts this process already put in the index
         self.failed_open = 0
 
-    async def admit(self, tier_name: str, tier: TierPolicy, bucket: str) -> Admission:
-        """Count this request against `bucket`'s tier rate; 429 (or 503) when it may not pass."""
-        item = RateLimitItemPerMinute(tier.requests_per_minute)
+    async def admit(self, principal: Principal, tier_name: str, tier: TierPolicy,
+                    hold: Hold | None = None) -> Window:
+        """Count this request and place its hold: 429, 402 or 503 when it may not run."""
+        keys = AccountKeys.of(principal.account)
+        limit = tier.requests_per_minute
         try:
-            allowed = await self._limiter.hit(item, tier_name, bucket)
-            stats = await self._limiter.get_window_stats(item, tier_name, bucket)
-        except StorageError:
-            self.store_errors += 1
-            return await self._store_down(tier_name, tier, bucket)
-        admission = _admission(item.amount, stats.remaining, stats.reset_time)
-        if not allowed:
-            raise _rate_limited(admission, f"the {tier_name} tier allows "
-                                f"{tier.requests_per_minute} requests per minute")
-        return admission
+            if principal.kind == "guest":
+                status, remaining, reset_ms, available = await self._guest_admit(
+                    keys=[keys.window(tier_name)], args=[limit, WINDOW_MS, "", 0, 0])
+            else:
+                await self._index(principal.account)
+                status, remaining, reset_ms, available = await self._ledger.admit_script(
+                    keys=[keys.window(tier_name), keys.balance, keys.holds, keys.hold_expiry],
+                    args=[limit, WINDOW_MS, hold.hold_id if hold else "", hold.amount if hold
+                          else 0, hold.ttl_s if hold else 0])
+        except StoreBusy:
+            raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is busy; try again shortly",
+                               headers={"Retry-After": "1"}) from None
+        except RedisError:
+            if principal.kind != "guest":
+                raise store_unavailable("credit ledger") from None
+            return await self._store_down(tier_name, tier, principal.account)
+        window = Window(limit, max(0, int(remaining)), max(0, math.ceil(int(reset_ms) / 1000)))
+        if status == LIMITED:
+            raise rate_limited(window, f"the {tier_name} tier allows {limit} requests per minute")
+        if status == INSUFFICIENT and hold is not None:
+            raise InsufficientCredits(int(available), hold.amount)
+        if status == DUPLICATE_HOLD:
+            raise RuntimeError("hold id reused")  # ids are random: this is a bug, not a client
+        return window
 
-    async def peek(self, tier_name: str, tier: TierPolicy, bucket: str) -> Admission:
-        """The window as it stands, without counting a request (raises RedisError if down)."""
-        item = RateLimitItemPerMinute(tier.requests_per_minute)
-        try:
-            stats = await self._limiter.get_window_stats(item, tier_name, bucket)
-        except StorageError as exc:
-            raise RedisConnectionError("rate-limit store unreachable") from exc
-        return _admission(item.amount, stats.remaining, stats.reset_time)
+    async def count(self, principal: Principal, tier_name: str, tier: TierPolicy) -> Window:
+        """Count an attempt that holds nothing (refused early, or a route without credits)."""
+        return await self.admit(principal, tier_name, tier)
 
-    async def _store_down(self, tier_name: str, tier: TierPolicy, bucket: str) -> Admission:
+    async def _index(self, account: str) -> None:
+        """Put the account in the sweeper's index once per process (not a round trip per hold)."""
+        if account not in self._indexed:
+            await self._ledger.redis.sadd(ACCOUNTS, account)
+            if len(self._indexed) > 100_000:
+                self._indexed.clear()
+            self._indexed.add(account)
+
+    async def _store_down(self, tier_name: str, tier: TierPolicy, bucket: str) -> Window:
         if tier.store_down == "closed":
             raise store_unavailable("rate-limit store")
         item = RateLimitItemPerMinute(tier.fallback_requests_per_minute)
         allowed = await self._fallback.hit(item, tier_name, bucket)
         stats = await self._fallback.get_window_stats(item, tier_name, bucket)
-        admission = _admission(item.amount, stats.remaining, stats.reset_time, degraded=True)
+        window = Window(item.amount, max(0, stats.remaining),
+                        max(0, math.ceil(stats.reset_time - time.time())), degraded=True)
         if not allowed:
-            raise _rate_limited(admission, "rate limit reached (reduced limit while degraded)")
+            raise rate_limited(window, "rate limit reached (reduced limit while degraded)")
         self.failed_open += 1
         if self.failed_open == 1 or self.failed_open % 1000 == 0:
             log.warning("rate-limit store unreachable: admitting on the fallback limit "
                         "(%d so far)", self.failed_open)
-        return admission
+        return window
 
 
-def _admission(limit: int, remaining: int, reset_time: float, degraded: bool = False
-               ) -> Admission:
-    reset_s = max(0, math.ceil(reset_time - time.time()))
-    return Admission(limit, max(0, remaining), reset_s, degraded)
-
-
-def _rate_limited(admission: Admission, message: str) -> GatewayError:
-    wait = max(1, admission.reset_s)
+def rate_limited(window: Window, message: str) -> GatewayError:
+    wait = max(1, window.reset_s)
     return GatewayError(ErrorKind.RATE_LIMITED, f"{message}; retry in {wait} s",
-                        headers={**admission.headers(), "Retry-After": str(wait)})
+                        headers={**window.headers(), "Retry-After": str(wait)})

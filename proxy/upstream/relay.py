@@ -12,6 +12,7 @@ upstream request (see `Upstreams.exchange`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,10 +43,12 @@ async def relay_stream(
     encoder: StreamEncoder,
     headers: Mapping[str, str],
     capture: list[bytes] | None = None,
+    max_s: float | None = None,
 ) -> tuple[web.StreamResponse, StreamResult]:
     """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client.
 
-    `capture`, when given, receives every byte sent (an idempotent request's replay)."""
+    `capture`, when given, receives every byte sent (an idempotent request's replay). `max_s`
+    bounds the whole stream: a request must end before its credit hold could expire."""
     response = web.StreamResponse(
         status=200, headers={"Content-Type": encoder.content_type, **STREAM_HEADERS, **headers}
     )
@@ -63,17 +66,19 @@ async def relay_stream(
                 pending.append(out)
         return False
 
+    deadline = asyncio.timeout(max_s)
     try:
         done = False
-        async for chunk in upstream.content.iter_any():
-            done = take(decoder.feed(chunk))
-            if pending:
-                await _send(request, response, b"".join(pending), capture)
-                pending.clear()
-            if done:
-                break
-        else:
-            done = take(decoder.finish())
+        async with deadline:
+            async for chunk in upstream.content.iter_any():
+                done = take(decoder.feed(chunk))
+                if pending:
+                    await _send(request, response, b"".join(pending), capture)
+                    pending.clear()
+                if done:
+                    break
+            else:
+                done = take(decoder.finish())
         if not done and not chunks.finished:
             result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
                              "the model server closed the stream before it finished")
@@ -81,7 +86,8 @@ async def relay_stream(
         result = _failed(Outcome.FAILED, ErrorKind.UPSTREAM_ERROR, exc.message)
     except (aiohttp.ServerTimeoutError, TimeoutError):
         result = _failed(Outcome.TIMEOUT, ErrorKind.UPSTREAM_TIMEOUT,
-                         "the model server stopped sending before the stream finished")
+                         "the stream ran longer than this gateway allows" if deadline.expired()
+                         else "the model server stopped sending before the stream finished")
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
         result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
                          "the model server closed the stream before it finished")

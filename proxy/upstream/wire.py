@@ -30,6 +30,7 @@ VLLM_ONLY_FIELDS = frozenset({
     "mm_processor_kwargs", "cache_salt", "return_tokens_as_token_ids", "include_reasoning",
 })
 
+_CAP_FIELDS = frozenset({"max_tokens", "max_completion_tokens"})
 _FINISH_FIXES = {"stop_sequence": "stop", "eos_token": "stop"}
 
 
@@ -41,10 +42,17 @@ class UpstreamStreamError(Exception):
         self.message = message
 
 
-def upstream_body(body: dict[str, Any], stream: bool, kind: str) -> bytes:
-    """The JSON to POST to an OpenAI-compatible backend of `kind`."""
+def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int) -> bytes:
+    """The JSON to POST to an OpenAI-compatible backend of `kind`.
+
+    `cap` is the completion cap the credit hold was computed with: it always goes upstream,
+    whatever the client named (or did not), so no token is ever generated beyond the hold.
+    OpenAI itself wants `max_completion_tokens` (its reasoning models refuse `max_tokens`); the
+    servers behind the other kinds all read `max_tokens`."""
     drop = GATEWAY_FIELDS if kind == "vllm" else GATEWAY_FIELDS | VLLM_ONLY_FIELDS
-    out = {key: value for key, value in body.items() if value is not None and key not in drop}
+    out = {key: value for key, value in body.items() if value is not None and key not in drop
+           and key not in _CAP_FIELDS}
+    out["max_completion_tokens" if kind == "openai" else "max_tokens"] = cap
     if stream:
         options = dict(out.get("stream_options") or {})
         options["include_usage"] = True
@@ -122,7 +130,8 @@ class ChunkFilter:
                 self.usage = usage
                 if not chunk.get("choices"):
                     return data if self.want_usage else None
-        self.chunks += 1
+        if carries_tokens(data):
+            self.chunks += 1
         if b'"finish_reason":"' in data or b'"finish_reason": "' in data:
             self.finished = True
         return data
@@ -137,11 +146,15 @@ class ChunkFilter:
             self.usage = usage
             if not choices and not self.want_usage:
                 return None
+        tokens = False
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
             index = choice.get("index", 0)
             delta = choice.get("delta")
+            if isinstance(delta, dict):
+                tokens = tokens or any(delta.get(k) for k in ("content", "reasoning",
+                                                              "reasoning_content", "tool_calls"))
             if isinstance(delta, dict) and delta.get("tool_calls") and isinstance(index, int):
                 self._tool_choices.add(index)
                 self._name_tool_calls(index, delta["tool_calls"])
@@ -149,7 +162,7 @@ class ChunkFilter:
             if reason is not None:
                 self.finished = True
                 choice["finish_reason"] = _finish(reason, index in self._tool_choices)
-        if choices:
+        if tokens:
             self.chunks += 1
         return orjson.dumps(chunk)
 
@@ -162,6 +175,24 @@ class ChunkFilter:
                 if key not in self._call_ids:
                     self._call_ids[key] = new_call_id()
                 call["id"] = self._call_ids[key]
+
+
+# A delta that carries generated text or a tool call (a role-only or empty chunk does not).
+_TOKEN_MARKERS = tuple(
+    field + sep for field in (b'"content"', b'"reasoning"', b'"reasoning_content"')
+    for sep in (b':"', b': "')
+)
+
+
+def carries_tokens(data: bytes) -> bool:
+    """True when a chunk delivers content (what a cut stream is charged by). Pure, on bytes."""
+    if b'"tool_calls":[{' in data or b'"tool_calls": [{' in data:
+        return True
+    for marker in _TOKEN_MARKERS:
+        at = data.find(marker)
+        if at >= 0 and data[at + len(marker):at + len(marker) + 1] != b'"':
+            return True
+    return False
 
 
 def parse_chunk(data: bytes) -> dict[str, Any]:

@@ -43,6 +43,8 @@ def two_gateways(tmp_path: Path, clean_redis: RedisProcess
     folder = write_config(tmp_path / "config", [{
         "name": "b0", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL],
         "forward_headers": ["x-sim-*"]}],
+        # Short timeouts, so a 2 s hold outlives any request (check-config insists).
+        upstream={"connect_timeout_s": 0.1, "first_byte_timeout_s": 0.4, "max_stream_s": 0.9},
         policies={"tiers.toml": tiers(basic=10, max_=1000), "prices.toml": PRICES})
     urls = []
     logs = tmp_path / "logs"

@@ -200,7 +200,8 @@ async def test_options_map_to_openai_fields(simulator: SimulatorFactory, gateway
     assert first["top_k"] == 20 and first["stop"] == ["\n\n"]
     assert first["repetition_penalty"] == 1.1
     assert not {"num_ctx", "mirostat", "num_predict", "options", "keep_alive"} & set(first)
-    assert second["response_format"] == {"type": "json_object"} and "max_tokens" not in second
+    # Unlimited (-1) still goes upstream capped: at what the credit hold assumed.
+    assert second["response_format"] == {"type": "json_object"} and second["max_tokens"] == 4096
     assert third["response_format"] == {
         "type": "json_schema", "json_schema": {"name": "format", "schema": schema}}
 

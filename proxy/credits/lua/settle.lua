@@ -1,14 +1,61 @@
--- ARGV: hold id, cost, then journal field/value pairs. Returns the charge, or -1 if already ended.
-local held = redis.call('HGET', KEYS[2], ARGV[1])
-if not held then return -1 end
-held = tonumber(held)
-local charge = math.max(0, math.min(tonumber(ARGV[2]), held))
-redis.call('HINCRBY', KEYS[1], 'held', 0 - held)
-redis.call('HINCRBY', KEYS[1], 'spent', charge)
-redis.call('HINCRBY', KEYS[1], 'available', held - charge)
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-local entry = {'type', 'charge', 'hold', ARGV[1], 'held', held, 'cost', charge}
-for i = 3, #ARGV do entry[#entry + 1] = ARGV[i] end
-redis.call('XADD', KEYS[4], '*', unpack(entry))
+-- End a hold exactly once (charge min(cost, held), release the rest), or journal a use that held
+-- nothing (guests); append the journal entry and keep the running totals, in one atomic step.
+--
+-- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash
+-- ARGV: hold id ('' for none), cost, status, model, prompt tokens, completion tokens,
+--       details (JSON), journal entries kept, journal ttl s (0: none)
+-- Returns the charge, or -1 when the hold had already ended (settled, released or swept).
+local now = redis.call('TIME')
+local cost = tonumber(ARGV[2])
+local charge, held = 0, 0
+if ARGV[1] ~= '' then
+  held = redis.call('HGET', KEYS[2], ARGV[1])
+  if not held then return -1 end
+  held = tonumber(held)
+  charge = math.max(0, math.min(cost, held))
+  redis.call('HINCRBY', KEYS[1], 'held', 0 - held)
+  redis.call('HINCRBY', KEYS[1], 'spent', charge)
+  redis.call('HINCRBY', KEYS[1], 'available', held - charge)
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+end
+local keep = tonumber(ARGV[8])
+if ARGV[1] == '' then
+  -- No money moved: an approximately trimmed stream is exact enough.
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', keep, '*', 'type', 'usage', 'cost', 0,
+             'status', ARGV[3], 'details', ARGV[7])
+else
+  redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', ARGV[1], 'held', held,
+             'cost', charge, 'status', ARGV[3], 'details', ARGV[7])
+  -- Money entries beyond the retention move into the balance's checkpoint first, so the
+  -- journal plus the checkpoint still add up to the balance (see Ledger.reconcile).
+  if redis.call('XLEN', KEYS[4]) > keep + 100 then
+    local credited, spent = 0, 0
+    local old = redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', 100)
+    for _, item in ipairs(old) do
+      local f = item[2]
+      local kind, amount, charged = nil, 0, 0
+      for i = 1, #f, 2 do
+        if f[i] == 'type' then kind = f[i + 1]
+        elseif f[i] == 'amount' then amount = tonumber(f[i + 1])
+        elseif f[i] == 'cost' then charged = tonumber(f[i + 1]) end
+      end
+      if kind == 'credit' then credited = credited + amount end
+      if kind == 'charge' then spent = spent + charged end
+      redis.call('XDEL', KEYS[4], item[1])
+    end
+    redis.call('HINCRBY', KEYS[1], 'trimmed_credited', credited)
+    redis.call('HINCRBY', KEYS[1], 'trimmed_spent', spent)
+  end
+  local scopes = {'all|', 'd|' .. math.floor(tonumber(now[1]) / 86400) .. '|'}
+  if ARGV[4] ~= '' then scopes[3] = 'm|' .. ARGV[4] .. '|' end
+  for _, scope in ipairs(scopes) do
+    redis.call('HINCRBY', KEYS[5], scope .. 'requests', 1)
+    redis.call('HINCRBY', KEYS[5], scope .. 'prompt_tokens', tonumber(ARGV[5]))
+    redis.call('HINCRBY', KEYS[5], scope .. 'completion_tokens', tonumber(ARGV[6]))
+    redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge)
+  end
+end
+local ttl = tonumber(ARGV[9])
+if ttl > 0 then redis.call('EXPIRE', KEYS[4], ttl) end
 return charge

@@ -1,5 +1,7 @@
--- ARGV: now. Releases every hold whose expiry has passed (a crashed worker's), journaled.
-local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1])
+-- Release every hold whose expiry has passed on Redis' clock (a crashed worker's), journaled.
+-- KEYS: balance hash, holds hash, hold expiry zset, journal stream. ARGV: none.
+local now = redis.call('TIME')
+local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now[1])
 for _, id in ipairs(due) do
   local held = redis.call('HGET', KEYS[2], id)
   if held then
@@ -8,7 +10,7 @@ for _, id in ipairs(due) do
     redis.call('HINCRBY', KEYS[1], 'available', held)
     redis.call('HDEL', KEYS[2], id)
     redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', id, 'held', held, 'cost', 0,
-               'status', 'expired')
+               'status', 'expired', 'details', '{}')
   end
   redis.call('ZREM', KEYS[3], id)
 end

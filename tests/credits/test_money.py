@@ -1,0 +1,345 @@
+"""Money promises the attack run broke (issue 9 items 1-6): the upstream always gets the cap the
+hold assumed, a 502 is never charged, a cancelled request leaves no hold or claim behind, holds
+outlive every request, journals are bounded, and a lost settlement is retried and visible."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
+
+from proxy.config import ConfigError, load_config
+from proxy.credits.ledger import AccountKeys, Ledger, settle_call
+from proxy.credits.settler import Settler
+from proxy.runtime.redis_process import RedisProcess
+from tests.conftest import (
+    MODEL,
+    GatewayFactory,
+    SimulatorFactory,
+    free_port,
+    new_key,
+    settled,
+    write_config,
+)
+from tests.test_pipeline import HELLO, sim_requests
+
+PRICES = """
+version = "money-v1"
+default_max_tokens = 100
+journal_max_entries = 100
+[default]
+prompt_per_1k_tokens = 1000
+completion_per_1k_tokens = 10000
+"""
+
+ROUTES = {
+    "compat": ("/v2/compat/v1/chat/completions", {"model": MODEL, "messages": HELLO}),
+    "served": ("/v2/served/v1/chat/completions", {"model": MODEL, "messages": HELLO}),
+    "native": ("/v2/native/api/chat", {"model": MODEL, "messages": HELLO, "stream": False}),
+}
+
+
+async def call(server: TestServer, path: str, body: Any, headers: dict[str, str]
+               ) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session, session.post(
+            server.make_url(path), json=body, headers=headers) as response:
+        return response.status, await response.read()
+
+
+async def funded_key(redis_url: str, account: str = "acme", credits: int = 10**9) -> str:
+    key = await new_key(redis_url, "max", account=account)
+    redis = Redis.from_url(redis_url)
+    try:
+        await Ledger(redis).credit(account, credits, {"reason": "test"})
+    finally:
+        await redis.aclose()
+    return key
+
+
+async def journal(redis_url: str, account: str = "acme") -> list[dict[str, Any]]:
+    redis = Redis.from_url(redis_url)
+    try:
+        return await Ledger(redis).all_entries(account)
+    finally:
+        await redis.aclose()
+
+
+# -- 1: the cap the hold assumed always goes upstream ---------------------------------------------
+
+@pytest.mark.parametrize("kind", ["vllm", "tgi"])
+@pytest.mark.parametrize("route", sorted(ROUTES))
+async def test_a_request_without_a_cap_is_capped_at_what_it_held(
+    kind: str, route: str, simulator: SimulatorFactory, gateway: GatewayFactory,
+    clean_redis: RedisProcess,
+) -> None:
+    sim = await simulator(kind)
+    gw = await gateway(sim, kind=kind, policies={"prices.toml": PRICES})
+    key = await funded_key(clean_redis.url)
+    path, body = ROUTES[route]
+    # The model would write 500 tokens; nothing in the request caps it.
+    status, _ = await call(gw, path, body, {"X-API-Key": key, "x-sim-tokens": "500"})
+    assert status == 200
+    await settled(gw)
+    [sent] = [r["body"] for r in await sim_requests(sim)]
+    assert sent["max_tokens"] == 100  # prices.toml default_max_tokens: what was held
+    [charge] = [e for e in await journal(clean_redis.url) if e["type"] == "charge"]
+    assert charge["completion_tokens"] == 100 and charge["cost"] <= charge["held"]
+    assert charge["cost"] == charge["prompt_tokens"] * 1 + 100 * 10
+
+
+async def test_openai_backends_get_max_completion_tokens(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    sim = await simulator("vllm")
+    gw = await gateway(sim, kind="openai", policies={"prices.toml": PRICES})
+    key = await funded_key(clean_redis.url)
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 30}
+    assert (await call(gw, ROUTES["compat"][0], body, {"X-API-Key": key}))[0] == 200
+    [sent] = [r["body"] for r in await sim_requests(sim)]
+    assert sent["max_completion_tokens"] == 30 and "max_tokens" not in sent
+
+
+# -- 2: an answer the style cannot render is a 502, and a 502 is never charged ------------------
+
+async def test_an_unrenderable_answer_is_502_and_free(
+    aiohttp_server: Any, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    async def completions(request: web.Request) -> web.Response:
+        # Tool-call arguments that are not JSON: common model output, unusable for Ollama.
+        return web.json_response({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "f", "arguments": "{not json"}}]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    upstream = await aiohttp_server(app)
+    gw = await gateway({"name": "odd", "kind": "openai", "url": str(upstream.make_url("/")),
+                        "models": [MODEL]}, policies={"prices.toml": PRICES})
+    key = await funded_key(clean_redis.url)
+    status, raw = await call(gw, ROUTES["native"][0], ROUTES["native"][1], {"X-API-Key": key})
+    assert status == 502 and b"tool-call arguments" in raw
+    await settled(gw)
+    [charge] = [e for e in await journal(clean_redis.url) if e["type"] == "charge"]
+    assert charge["cost"] == 0 and charge["status"] == "upstream_error"
+
+
+# -- 3: a client that leaves while the hold or the claim is being made ---------------------------
+
+async def test_leaving_during_the_hold_leaves_no_hold(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    sim = await simulator()
+    gw = await gateway(sim, policies={"prices.toml": PRICES})
+    key = await funded_key(clean_redis.url)
+    assert (await call(gw, *ROUTES["compat"], {"X-API-Key": key}))[0] == 200  # key now cached
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        # Redis stalls: the admission script is in flight when the client gives up.
+        stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "0.6"))
+        await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+            with pytest.raises(TimeoutError):
+                await session.post(gw.make_url(ROUTES["compat"][0]), json=ROUTES["compat"][1],
+                                   headers={"X-API-Key": key})
+        await stall
+        await settled(gw)
+        ledger = Ledger(redis)
+        assert await ledger.open_holds("acme") == {}
+        assert (await ledger.balance("acme")).held == 0
+        # The hold was placed after the client had gone, and ended with nothing charged.
+        _, gone = [e for e in await ledger.all_entries("acme") if e["type"] == "charge"]
+        assert gone["status"] == "client_gone" and gone["cost"] == 0
+        assert len(await sim_requests(sim)) == 1  # only the first request ever ran
+    finally:
+        await redis.aclose()
+
+
+async def test_leaving_during_the_claim_leaves_a_short_lived_claim(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    gw = await gateway(await simulator(), policies={"prices.toml": PRICES},
+                       upstream={"first_byte_timeout_s": 5, "max_stream_s": 20,
+                                 "connect_timeout_s": 1})
+    key = await funded_key(clean_redis.url)
+    assert (await call(gw, *ROUTES["compat"], {"X-API-Key": key}))[0] == 200  # key now cached
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "0.6"))
+        await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+            with pytest.raises(TimeoutError):
+                await session.post(gw.make_url(ROUTES["compat"][0]), json=ROUTES["compat"][1],
+                                   headers={"X-API-Key": key, "Idempotency-Key": "k1"})
+        await stall
+        await settled(gw)
+        claims = [k async for k in redis.scan_iter("igw:{acme}:idem:*")]
+        assert claims  # made after the client had gone
+        for claim in claims:  # pending for about a request's life (2 x (1 + 5) + 20 + 60 s)
+            assert 0 < await redis.ttl(claim) <= 92
+        assert await Ledger(redis).open_holds("acme") == {}
+    finally:
+        await redis.aclose()
+
+
+async def test_a_result_too_large_to_keep_gives_the_key_back(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from proxy.credits import idempotency
+
+    monkeypatch.setattr(idempotency, "MAX_STORED_BYTES", 10)
+    sim = await simulator()
+    gw = await gateway(sim, policies={"prices.toml": PRICES})
+    key = await funded_key(clean_redis.url)
+    headers = {"X-API-Key": key, "Idempotency-Key": "big"}
+    for _ in range(2):
+        assert (await call(gw, *ROUTES["compat"], headers))[0] == 200
+        await settled(gw)
+    assert len(await sim_requests(sim)) == 2  # not replayable, so the retry ran for real
+
+
+# -- 4: no hold expires under a live request ----------------------------------------------------
+
+def test_check_config_refuses_a_hold_shorter_than_a_request(tmp_path: Any) -> None:
+    folder = write_config(tmp_path, [], upstream={"first_byte_timeout_s": 300,
+                                                  "max_stream_s": 3000},
+                          policies={"prices.toml": "hold_ttl_s = 3600\n"})
+    with pytest.raises(ConfigError) as info:
+        load_config(folder)
+    assert any("hold_ttl_s" in p for p in info.value.problems)
+
+
+async def test_a_stream_is_ended_before_its_hold_could_expire(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    sim = await simulator(tokens_per_s=20)
+    gw = await gateway(sim, policies={"prices.toml": PRICES}, upstream={"max_stream_s": 0.5})
+    key = await funded_key(clean_redis.url)
+    body = {**ROUTES["compat"][1], "stream": True, "max_tokens": 100}
+    status, raw = await call(gw, ROUTES["compat"][0], body,
+                             {"X-API-Key": key, "x-sim-tokens": "100"})
+    assert status == 200 and b"longer than this gateway allows" in raw
+    assert raw.endswith(b"data: [DONE]\n\n")
+    await settled(gw)
+    [charge] = [e for e in await journal(clean_redis.url) if e["type"] == "charge"]
+    assert charge["status"] == "timeout" and 0 < charge["completion_tokens"] < 100
+
+
+async def test_hold_expiry_is_on_redis_clock(clean_redis: RedisProcess) -> None:
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        ledger = Ledger(redis)
+        await ledger.credit("acme", 100, {})
+        hold = await ledger.hold("acme", 10, ttl_s=600)
+        now = int((await redis.time())[0])
+        assert now + 599 <= (await ledger.open_holds("acme"))[hold] <= now + 601
+    finally:
+        await redis.aclose()
+
+
+# -- 5: bounded journals, running totals, and a usage route that counts ---------------------------
+
+async def test_account_journal_is_trimmed_and_still_reconciles(clean_redis: RedisProcess) -> None:
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        ledger = Ledger(redis)
+        await ledger.credit("acme", 10**6, {"reason": "start"})
+        for _ in range(250):
+            hold = await ledger.hold("acme", 10, ttl_s=60)
+            await ledger.settle("acme", hold, 7, {}, keep=100)
+        assert await redis.xlen(AccountKeys.of("acme").journal) <= 200
+        assert (await ledger.balance("acme")).spent == 250 * 7
+        assert await ledger.reconcile(["acme"]) == []
+    finally:
+        await redis.aclose()
+
+
+async def test_guest_journals_are_bounded_and_expire(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    prices = "guest_journal_max_entries = 10\nguest_journal_ttl_s = 600\n" + PRICES
+    gw = await gateway(await simulator(), policies={"prices.toml": prices})
+    for _ in range(30):
+        assert (await call(gw, *ROUTES["compat"], {}))[0] == 200
+    await settled(gw)
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        journal_key = AccountKeys.of("guest:127.0.0.1").journal
+        assert await redis.xlen(journal_key) < 30  # approximate trim: about the last 10
+        assert 0 < await redis.ttl(journal_key) <= 600
+    finally:
+        await redis.aclose()
+
+
+async def test_usage_reads_running_totals_pages_and_is_rate_limited(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    tiers = """
+[tiers.guest]
+requests_per_minute = 100
+families = ["chat"]
+models = { "*" = ["direct"] }
+[tiers.max]
+requests_per_minute = 8
+families = ["chat"]
+models = { "*" = ["direct"] }
+"""
+    gw = await gateway(await simulator(), policies={"prices.toml": PRICES, "tiers.toml": tiers})
+    key = await funded_key(clean_redis.url)
+    for _ in range(3):
+        assert (await call(gw, *ROUTES["compat"], {"X-API-Key": key}))[0] == 200
+    await settled(gw)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.make_url("/v2/account/usage?limit=2"),
+                               headers={"X-API-Key": key}) as response:
+            usage = await response.json()
+            assert response.headers["X-RateLimit-Remaining"] == "4"  # 3 chats + this one
+        statuses = []
+        for _ in range(5):
+            async with session.get(gw.make_url("/v2/account/usage"),
+                                   headers={"X-API-Key": key}) as response:
+                statuses.append(response.status)
+    assert statuses == [200, 200, 200, 200, 429]
+    assert usage["totals"]["requests"] == 3
+    assert usage["by_model"][MODEL]["requests"] == 3 and len(usage["by_day"]) == 1
+    page = usage["entries"]
+    assert len(page) == 2 and usage["next_before"] == page[-1]["id"]
+    assert isinstance(page[0]["cost"], int) and isinstance(page[0]["prompt_tokens"], int)
+    assert page[0]["estimated"] is False
+
+
+# -- 6: a settlement that fails is retried; one that is lost shows in reconcile ------------------
+
+async def test_a_failed_settlement_is_retried_until_redis_is_back(tmp_path: Any) -> None:
+    proc = RedisProcess(tmp_path / "redis", port=free_port(), fsync="always")
+    proc.start()
+    redis = Redis.from_url(proc.url)
+    try:
+        ledger = Ledger(redis)
+        await ledger.credit("acme", 1000, {})
+        hold = await ledger.hold("acme", 100, ttl_s=60)
+        settler = Settler(redis, [ledger.settle_script])
+        script = ledger.settle_script
+        keys, args = settle_call("acme", hold, 40, "completed", MODEL, 1, 2, {}, 100, 0)
+        proc.kill()  # the store goes away just as the request finishes
+        settler.settle(script, keys, args)
+        flushing = asyncio.create_task(settler.flush())
+        await asyncio.sleep(0.3)
+        proc.start()  # back within the retry window: AOF replays the hold
+        await flushing
+        assert settler.lost == 0
+        balance = await ledger.balance("acme")
+        assert (balance.held, balance.spent) == (0, 40)
+        assert await ledger.reconcile(["acme"]) == []
+    finally:
+        await redis.aclose()
+        proc.stop()

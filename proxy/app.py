@@ -42,7 +42,7 @@ from proxy.http.middleware import gateway_middleware
 from proxy.identity.keystore import KeyStore
 from proxy.pipeline import chat_route
 from proxy.policy.admission import Admitter
-from proxy.reload import LivePolicies
+from proxy.reload import RELOADS, LivePolicies
 from proxy.runtime.background import stop_task
 from proxy.runtime.drain import Drain
 from proxy.runtime.fleet_state import fleet_key
@@ -159,7 +159,9 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
         app[SETTLER] = Settler(app[REDIS], [app[LEDGER].settle_script])
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
-        tasks = [asyncio.create_task(app[KEYSTORE].listen_for_revocations()),
+        # Policy reloads asked of any worker reach every worker over the same connection.
+        notices = {RELOADS: app[LIVE].on_notice}
+        tasks = [asyncio.create_task(app[KEYSTORE].listen_for_revocations(notices)),
                  asyncio.create_task(sweep_holds(app)),
                  asyncio.create_task(app[SETTLER].run())]
         yield

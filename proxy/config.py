@@ -149,6 +149,12 @@ class JwtPolicy(_Section, frozen=True):
 class ClientsPolicy(_Section, frozen=True):
     # X-Forwarded-For is believed only when the connection comes from one of these networks.
     trusted_proxies: list[str] = []
+    # Guests are told apart by address; an IPv6 client owns a whole prefix (a /64 is one
+    # subscriber's LAN), so it is bucketed by this many leading bits.
+    ipv6_guest_prefix: Annotated[int, msgspec.Meta(ge=32, le=128)] = 64
+    # Unknown API keys a client address may try per minute (per worker) before its lookups get
+    # 429 without asking Redis: minted well-formed keys cannot make one Redis call each.
+    key_lookups_per_minute: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 60
 
 
 class AuthPolicy(_Section, frozen=True):

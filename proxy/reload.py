@@ -8,8 +8,13 @@ with its problems listed, and the old policies stay in force.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from limits.aio.storage import MemoryStorage
+from limits.aio.strategies import MovingWindowRateLimiter
+from redis.asyncio import Redis
 
 from proxy.config import Config, ConfigError, Policies, load_config
 from proxy.identity.auth import Authenticator
@@ -17,6 +22,10 @@ from proxy.identity.jwt import JwtVerifier
 from proxy.identity.keystore import KeyStore
 
 log = logging.getLogger("proxy.reload")
+
+# Every worker of every gateway follows this channel: a reload asked of one (POST /admin/reload)
+# reaches them all. The message is the asking process's origin id, so it does not reload twice.
+RELOADS = "igw:policies:reload"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +39,23 @@ class LivePolicies:
     def __init__(self, config: Config, keystore: KeyStore) -> None:
         self._root = Path(config.root)
         self._keystore = keystore
+        self.origin = uuid.uuid4().hex
+        # Per-address budget of key lookups that reach Redis; kept across reloads.
+        self._key_lookups = MovingWindowRateLimiter(MemoryStorage())
         self.current = self._snapshot(config.policies, version=1)
 
     def _snapshot(self, policies: Policies, version: int) -> PolicySnapshot:
         jwt = JwtVerifier(policies.auth.jwt, self._root) if policies.auth.jwt.algorithms else None
-        return PolicySnapshot(policies, Authenticator(policies.auth, self._keystore, jwt), version)
+        auth = Authenticator(policies.auth, self._keystore, jwt, self._key_lookups)
+        return PolicySnapshot(policies, auth, version)
+
+    def on_notice(self, origin: str) -> None:
+        if origin != self.origin:
+            self.reload()
+
+    async def announce(self, redis: Redis) -> None:
+        """Tell every other worker and gateway to reload too."""
+        await redis.publish(RELOADS, self.origin)
 
     def reload(self) -> list[str]:
         """Load policies/ again; on any problem keep the old ones and return the problems."""

@@ -28,11 +28,12 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import orjson
 from aiohttp import web
+from redis.exceptions import RedisError
 
-from proxy.appkeys import KEYSTORE, LEDGER, LIVE, ROUTER
+from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.pricing import format_credits, parse_credits
-from proxy.errors import ErrorKind, GatewayError, validation_failed
+from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
 from proxy.http.body import parse_json_object, read_capped
 from proxy.identity import apikeys
 from proxy.identity.auth import GUEST_TIER
@@ -150,13 +151,18 @@ async def add_credits(request: web.Request) -> web.Response:
 
 
 async def reload_policies(request: web.Request) -> web.Response:
-    """Reload policies/ (as SIGHUP does); a bad file is refused and the old policy stays."""
+    """Reload policies/ (as SIGHUP does) here, then in every other worker and gateway sharing
+    the Redis; a bad file is refused and the old policy stays."""
     await require_admin(request)
     live = request.app[LIVE]
     problems = live.reload()
     if problems:
         raise GatewayError(ErrorKind.VALIDATION_ERROR,
                            "policy reload refused: " + "; ".join(problems))
+    try:
+        await live.announce(request.app[REDIS])
+    except RedisError:
+        raise store_unavailable("policy channel") from None
     return _json({"status": "reloaded", "version": live.current.version})
 
 

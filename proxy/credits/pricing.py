@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+import orjson
+
 from proxy.config import Rates
 
 MICRO = 1_000_000
@@ -97,9 +99,9 @@ def _texts(body: dict[str, Any]) -> Iterable[str]:
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     yield part["text"]
-        for call in message.get("tool_calls") or ():
-            if isinstance(call, dict):
-                yield str(call.get("function", ""))
+        calls = message.get("tool_calls")
+        if calls:
+            yield orjson.dumps(calls).decode()
     tools = body.get("tools")
     if tools:
-        yield str(tools)
+        yield orjson.dumps(tools).decode()  # its JSON: no recursion of ours, bytes >= tokens

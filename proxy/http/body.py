@@ -36,7 +36,31 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise GatewayError(ErrorKind.INVALID_JSON, "request body is not valid JSON") from None
     if not isinstance(value, dict):
         raise GatewayError(ErrorKind.INVALID_JSON, "request body must be a JSON object")
+    # Only a body with that many brackets can nest that deep: most never pay for the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and too_deep(value, MAX_DEPTH):
+        raise GatewayError(ErrorKind.INVALID_JSON,
+                           f"request body nests deeper than {MAX_DEPTH} levels")
     return value
+
+
+# Nothing a model server takes nests this deep; deeper bodies would break what re-encodes them
+# (orjson writes at most 254 levels) and what walks them recursively.
+MAX_DEPTH = 64
+
+
+def too_deep(value: object, limit: int) -> bool:
+    """Whether `value` nests objects and arrays more than `limit` levels (iterative)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _too_large(cap: int) -> GatewayError:

@@ -3,8 +3,12 @@
 - `X-API-Key: <key>` wins when both it and `Authorization` are sent (spec, Authentication 2).
 - `Authorization: Bearer <token>` is accepted on every route: an API key (it has `_sk_`) or a
   JWT. (The spec leaves non-chat routes open; one rule everywhere is simpler for clients.)
-- No credential at all: a guest, keyed by client address; `X-Forwarded-For` is believed only
-  from trusted proxies. A credential that is present but invalid is 401, never a silent guest.
+- No credential at all: a guest, keyed by client address (IPv6 by its /64, configurable);
+  `X-Forwarded-For` is believed only from trusted proxies. A credential that is present but
+  invalid or empty is 401, never a silent guest.
+- A key the worker has not cached costs a Redis read; each client address gets a budget of
+  unknown keys per minute (`key_lookups_per_minute`), past which it gets 429 without a read, so
+  minted well-formed keys cannot flood Redis. Unknown keys are cached like known ones.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 
+from limits import RateLimitItemPerMinute
+from limits.aio.strategies import MovingWindowRateLimiter
 from redis.exceptions import RedisError
 
 from proxy.config import AuthPolicy
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.apikeys import well_formed
 from proxy.identity.jwt import InvalidToken, JwtVerifier, looks_like_jwt
-from proxy.identity.keystore import KeyStore
+from proxy.identity.keystore import KeyRecord, KeyStore
 from proxy.identity.principal import Principal
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -27,36 +33,52 @@ GUEST_TIER = "guest"
 
 
 class Authenticator:
-    def __init__(self, policy: AuthPolicy, keystore: KeyStore, jwt: JwtVerifier | None) -> None:
+    def __init__(self, policy: AuthPolicy, keystore: KeyStore, jwt: JwtVerifier | None,
+                 lookups: MovingWindowRateLimiter) -> None:
         self._prefix = policy.keys.prefix
         self._keystore = keystore
         self._jwt = jwt
         self._trusted: tuple[Network, ...] = tuple(
             ipaddress.ip_network(cidr, strict=False) for cidr in policy.clients.trusted_proxies
         )
+        self._ipv6_prefix = policy.clients.ipv6_guest_prefix
+        self._lookup_rate = RateLimitItemPerMinute(policy.clients.key_lookups_per_minute)
+        self._lookups = lookups
 
     async def principal(self, headers: Mapping[str, str], peer: str | None) -> Principal:
         api_key = headers.get("X-API-Key")
         if api_key is not None:
-            return await self._from_key(api_key.strip())
-        authorization = headers.get("Authorization", "").strip()
-        if authorization:
-            scheme, _, token = authorization.partition(" ")
+            return await self._from_key(api_key.strip(), headers, peer)
+        authorization = headers.get("Authorization")
+        if authorization is not None:
+            scheme, _, token = authorization.strip().partition(" ")
             token = token.strip()
             if scheme.lower() != "bearer":
                 raise _unauthorized("unsupported Authorization scheme; use Bearer")
-            if token:
-                if "_sk_" in token:
-                    return await self._from_key(token)
-                return self._from_jwt(token)
-        address = client_address(peer, headers.get("X-Forwarded-For"), self._trusted)
-        return Principal(kind="guest", account=f"guest:{address}", tier=GUEST_TIER)
+            if not token:  # a credential that is present but empty is not a guest
+                raise _unauthorized("empty bearer token")
+            if "_sk_" in token:
+                return await self._from_key(token, headers, peer)
+            return self._from_jwt(token)
+        return Principal(kind="guest", account=f"guest:{self._guest_bucket(headers, peer)}",
+                         tier=GUEST_TIER)
 
-    async def _from_key(self, key: str) -> Principal:
+    def _guest_bucket(self, headers: Mapping[str, str], peer: str | None) -> str:
+        address = client_address(peer, headers.get("X-Forwarded-For"), self._trusted)
+        parsed = _parse(address)
+        if isinstance(parsed, ipaddress.IPv6Address) and self._ipv6_prefix < 128:
+            return str(ipaddress.IPv6Network((parsed, self._ipv6_prefix), strict=False))
+        return address
+
+    async def _from_key(self, key: str, headers: Mapping[str, str], peer: str | None
+                        ) -> Principal:
         if not well_formed(key, self._prefix):
             raise _unauthorized("invalid API key")
+
+        found, record = self._keystore.cached(key)
         try:
-            record = await self._keystore.lookup(key)
+            if not found:
+                record = await self._read_key(key, headers, peer)
         except RedisError:
             # Not cached and the store is unreachable: we cannot tell who this is.
             raise store_unavailable("key store") from None
@@ -65,6 +87,19 @@ class Authenticator:
         if record.status != "active":
             raise _unauthorized("this API key has been revoked")
         return Principal(kind="key", account=record.account, tier=record.tier, key_id=record.id)
+
+    async def _read_key(self, key: str, headers: Mapping[str, str], peer: str | None
+                        ) -> KeyRecord | None:
+        """Ask the store, within the address's budget of unknown keys: past it, no more reads
+        (429) until the window frees up. Known keys never spend the budget."""
+        bucket = self._guest_bucket(headers, peer)
+        if not await self._lookups.test(self._lookup_rate, "unknown-keys", bucket):
+            raise GatewayError(ErrorKind.RATE_LIMITED, "too many unknown API keys from this "
+                               "address; retry in 60 s", headers={"Retry-After": "60"})
+        record = await self._keystore.lookup(key)
+        if record is None:
+            await self._lookups.hit(self._lookup_rate, "unknown-keys", bucket)
+        return record
 
     def _from_jwt(self, token: str) -> Principal:
         if self._jwt is None or not self._jwt.enabled or not looks_like_jwt(token):

@@ -9,7 +9,8 @@ Redis layout (the raw key is never stored, only its SHA-256 digest):
     igw:revocations           pub/sub channel: the digest of each revoked key
 
 Each worker caches records by digest for `KeysPolicy.cache_ttl_s` (bounded, least recently used
-dropped first). Revocation is pushed: `revoke` publishes the digest and every process's
+dropped first), unknown digests included (a key is random: none is created after being
+guessed). Revocation is pushed: `revoke` publishes the digest and every process's
 `listen_for_revocations` task evicts it, so a revoked key stops working everywhere at once, not
 after the TTL. A revocation published while a listener was disconnected is lost, so the listener
 clears the whole cache each time its subscription is (re)established.
@@ -26,6 +27,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 
 import msgspec
@@ -104,7 +106,8 @@ class KeyStore:
         self._policy = policy
         self._max_cache = max_cache_entries
         self._ping_interval = ping_interval_s
-        self._cache: OrderedDict[str, tuple[float, KeyRecord]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[float, KeyRecord | None]] = OrderedDict()
+        self._reading: dict[str, asyncio.Future[KeyRecord | None]] = {}  # reads in flight
         # Bumped by every eviction: a lookup that raced one must not cache what it read.
         self._generation = 0
         self._listening = False
@@ -153,22 +156,47 @@ class KeyStore:
             await pipe.execute()
         return raw, record
 
-    async def lookup(self, raw_key: str) -> KeyRecord | None:
-        """The record of a key (revoked ones too, so the caller can say so), None if unknown."""
+    def cached(self, raw_key: str) -> tuple[bool, KeyRecord | None]:
+        """(found, record) from this worker's cache alone; no I/O."""
         if not apikeys.well_formed(raw_key, self._policy.prefix):
-            return None  # a typo or a stranger's token: no Redis round trip
+            return True, None  # a typo or a stranger's token: known unknown
         digest = apikeys.digest(raw_key)
-        now = time.monotonic()
         hit = self._cache.get(digest)
-        if hit is not None:
-            if hit[0] > now:
-                self._cache.move_to_end(digest)
-                return hit[1]
+        if hit is None:
+            return False, None
+        if hit[0] <= time.monotonic():
             del self._cache[digest]
-        generation = self._generation
+            return False, None
+        self._cache.move_to_end(digest)
+        return True, hit[1]
+
+    async def lookup(self, raw_key: str) -> KeyRecord | None:
+        """The record of a key (revoked ones too, so the caller can say so), None if unknown.
+
+        Unknown keys are cached too, so a minted well-formed key costs one Redis read per TTL,
+        not one per request; concurrent lookups of one key share a single read."""
+        found, record = self.cached(raw_key)
+        if found:
+            return record
+        digest = apikeys.digest(raw_key)
+        reading = self._reading.get(digest)
+        if reading is not None:
+            return await asyncio.shield(reading)
+        reading = asyncio.ensure_future(self._read_and_cache(digest, self._generation))
+        self._reading[digest] = reading
+        reading.add_done_callback(lambda done: self._read_done(digest, done))
+        return await asyncio.shield(reading)
+
+    def _read_done(self, digest: str, done: asyncio.Future[KeyRecord | None]) -> None:
+        self._reading.pop(digest, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here, in case every waiter went away
+
+    async def _read_and_cache(self, digest: str, generation: int) -> KeyRecord | None:
+        """Read; cache the answer unless an eviction happened since the lookup began."""
         record = await self._read(digest)
-        if record is not None and generation == self._generation and self._policy.cache_ttl_s:
-            self._cache[digest] = (now + self._policy.cache_ttl_s, record)
+        if generation == self._generation and self._policy.cache_ttl_s:
+            self._cache[digest] = (time.monotonic() + self._policy.cache_ttl_s, record)
             while len(self._cache) > self._max_cache:
                 self._cache.popitem(last=False)
         return record
@@ -238,17 +266,20 @@ class KeyStore:
         self._generation += 1
         self._cache.clear()
 
-    async def listen_for_revocations(self) -> None:
+    async def listen_for_revocations(
+            self, notices: Mapping[str, Callable[[str], object]] | None = None) -> None:
         """Run for the life of the process: evict revoked digests from this process's cache.
 
-        Retries with backoff (0.1 s doubling to 5 s) while Redis is away. Cancel the task to
-        stop it: it ends cancelled, with its connection closed.
+        `notices` are other channels the process follows on the same connection (e.g. policy
+        reloads): channel -> handler of each message's text. Retries with backoff (0.1 s
+        doubling to 5 s) while Redis is away. Cancel the task to stop it: it ends cancelled,
+        with its connection closed.
         """
         backoff = 0.1
         while True:
             connects = self.listener_connects
             try:
-                await self._listen_once()
+                await self._listen_once(notices or {})
             except (RedisError, OSError) as exc:
                 # The exception text may carry the server address; its class is enough here.
                 log.warning("revocation listener lost Redis (%s); retrying in %.1f s",
@@ -260,10 +291,10 @@ class KeyStore:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _listen_once(self) -> None:
+    async def _listen_once(self, notices: Mapping[str, Callable[[str], object]]) -> None:
         pubsub = self._redis.pubsub()
         try:
-            await pubsub.subscribe(REVOCATIONS)
+            await pubsub.subscribe(REVOCATIONS, *notices)
             awaiting_pong = False
             while True:
                 message = await pubsub.get_message(timeout=self._ping_interval)
@@ -276,14 +307,19 @@ class KeyStore:
                     continue
                 awaiting_pong = False
                 kind = message["type"]
+                channel = _text(message["channel"])
+                if kind == "subscribe" and channel != REVOCATIONS:
+                    continue
                 if kind == "subscribe":
                     # Also seen when redis-py re-subscribes after a reconnect of its own.
                     self.clear_cache()
                     self.listener_connects += 1
                     self._listening = True
                     log.info("revocation listener subscribed; key cache cleared")
-                elif kind == "message":
+                elif kind == "message" and channel == REVOCATIONS:
                     self._evict(_text(message["data"]))
+                elif kind == "message":
+                    notices[channel](_text(message["data"]))
         finally:
             with contextlib.suppress(Exception):  # the connection may already be gone
                 await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it bare

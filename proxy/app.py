@@ -167,6 +167,7 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         yield
         for task in tasks:
             await stop_task(task)
+        await app[ADMITTER].close()
         await app[SETTLER].drain(timeout_s=5)  # what is queued lands before the store goes
         await app[REDIS].aclose()
         if app[COUNTERS] is not app[REDIS]:

@@ -14,7 +14,6 @@ style. A rejected request never reaches an upstream, and nothing runs before its
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from proxy import ids
 from proxy.appkeys import (
     ADMITTER,
     CONFIG,
@@ -184,7 +184,7 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: 
                    mode: str, request_id: str, result: Result) -> web.StreamResponse:
     """Translate, call the upstream, relay the answer; record the outcome for metering."""
     app = request.app
-    task_id = f"{mode}:{uuid.uuid4()}"
+    task_id = ids.task_id(mode)
     headers = {
         "Content-Type": "application/json",
         "Accept": "text/event-stream" if call.stream else "application/json",

@@ -18,7 +18,6 @@ from redis.asyncio import Redis
 
 from proxy.config import Config, ConfigError, Policies, load_config
 from proxy.identity.auth import Authenticator
-from proxy.identity.jwt import JwtVerifier
 from proxy.identity.keystore import KeyStore
 
 log = logging.getLogger("proxy.reload")
@@ -45,7 +44,11 @@ class LivePolicies:
         self.current = self._snapshot(config.policies, version=1)
 
     def _snapshot(self, policies: Policies, version: int) -> PolicySnapshot:
-        jwt = JwtVerifier(policies.auth.jwt, self._root) if policies.auth.jwt.algorithms else None
+        jwt = None
+        if policies.auth.jwt.algorithms:
+            from proxy.identity.jwt import JwtVerifier  # PyJWT only where JWTs are configured
+
+            jwt = JwtVerifier(policies.auth.jwt, self._root)
         auth = Authenticator(policies.auth, self._keystore, jwt, self._key_lookups)
         return PolicySnapshot(policies, auth, version)
 

@@ -17,12 +17,13 @@ PURE = [
     "proxy.styles.base", "proxy.styles.openai", "proxy.styles.served", "proxy.styles.anthropic",
     "proxy.styles.ollama", "proxy.policy.tiers", "proxy.credits.pricing", "proxy.headers",
     "proxy.http.sse", "proxy.errors", "proxy.validate", "proxy.upstream.wire", "proxy.outcome",
+    "proxy.ids",
 ]
 IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")
 # The top level holds the entry points, the wiring and the vocabulary every package shares.
 TOP_LEVEL = {"__init__.py", "__main__.py", "cli.py", "admin_cli.py", "app.py", "appkeys.py",
              "config.py", "reload.py", "errors.py", "headers.py", "pipeline.py", "validate.py",
-             "outcome.py"}
+             "outcome.py", "ids.py"}
 
 
 def test_pure_modules_import_no_io_even_transitively() -> None:

@@ -24,7 +24,6 @@ accounts; it is only an index — losing an entry never changes money.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -32,6 +31,8 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+
+from proxy.ids import hex_id
 
 ACCOUNTS = "igw:ledger:accounts"
 Arg = bytes | str | int | float  # what a script's ARGV takes
@@ -78,7 +79,7 @@ class InsufficientCredits(Exception):
 
 
 def new_hold_id() -> str:
-    return uuid.uuid4().hex
+    return hex_id()
 
 
 def _text(value: object) -> str:

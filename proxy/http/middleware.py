@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -11,6 +10,7 @@ from aiohttp.typedefs import Handler
 from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, STYLE
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import request_id_from
+from proxy.ids import hex_id
 
 log = logging.getLogger("proxy")
 
@@ -26,7 +26,7 @@ _ALWAYS_SERVED = frozenset({"/healthz", "/readyz"})
 
 @web.middleware
 async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id = request_id_from(request.headers.get("X-Request-Id"), uuid.uuid4().hex)
+    request_id = request_id_from(request.headers.get("X-Request-Id"), hex_id())
     request[REQUEST_ID] = request_id
     drain = request.app[DRAIN]
     counted = request.path not in _ALWAYS_SERVED

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from limits import RateLimitItemPerMinute
 from limits.aio.strategies import MovingWindowRateLimiter
@@ -23,8 +24,10 @@ from redis.exceptions import RedisError
 from proxy.config import AuthPolicy
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.apikeys import well_formed
-from proxy.identity.jwt import InvalidToken, JwtVerifier, looks_like_jwt
 from proxy.identity.keystore import KeyRecord, KeyStore
+
+if TYPE_CHECKING:  # PyJWT and cryptography load only where JWTs are configured (~10 MB)
+    from proxy.identity.jwt import JwtVerifier
 from proxy.identity.principal import Principal
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -102,7 +105,11 @@ class Authenticator:
         return record
 
     def _from_jwt(self, token: str) -> Principal:
-        if self._jwt is None or not self._jwt.enabled or not looks_like_jwt(token):
+        if self._jwt is None or not self._jwt.enabled:
+            raise _unauthorized("invalid bearer token")
+        from proxy.identity.jwt import InvalidToken, looks_like_jwt
+
+        if not looks_like_jwt(token):
             raise _unauthorized("invalid bearer token")
         try:
             claims = self._jwt.verify(token)

@@ -1,6 +1,7 @@
 """Admission: the tier's rate limit and the credit hold, in one Redis round trip.
 
-One Lua script (credits/lua/admit.lua) counts the request in the caller's sliding window (at most
+One Lua script (credits/lua/admit.lua), pipelined with the other admissions of the same loop tick
+(runtime.redis_batch), counts the request in the caller's sliding window (at most
 N requests in ANY 60 s, exact across every worker and gateway: no double burst at a window edge),
 reads the figures the rate-limit headers need from that same step, and places the credit hold.
 A keyed caller's window lives beside its balance (same hash tag, same Redis); a guest holds
@@ -34,6 +35,7 @@ from proxy.config import TierPolicy
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
+from proxy.runtime.redis_batch import ScriptBatch
 from proxy.runtime.redis_process import StoreBusy
 
 log = logging.getLogger("proxy.policy.admission")
@@ -69,7 +71,11 @@ class Hold:
 class Admitter:
     def __init__(self, ledger: Ledger, counters: Redis) -> None:
         self._ledger = ledger
+        self._admit = ledger.admit_script
         self._guest_admit = counters.register_script(ledger.admit_script.script)
+        # Admissions of one loop tick share a pipeline, per Redis.
+        self._keyed = ScriptBatch(ledger.redis)
+        self._guests = ScriptBatch(counters)
         self._fallback = MovingWindowRateLimiter(MemoryStorage())
         self._indexed: set[str] = set()  # accounts this process already put in the index
         self.failed_open = 0
@@ -81,14 +87,15 @@ class Admitter:
         limit = tier.requests_per_minute
         try:
             if principal.kind == "guest":
-                status, remaining, reset_ms, available = await self._guest_admit(
-                    keys=[keys.window(tier_name)], args=[limit, WINDOW_MS, "", 0, 0])
+                status, remaining, reset_ms, available = await self._guests.call(
+                    self._guest_admit, [keys.window(tier_name)], [limit, WINDOW_MS, "", 0, 0])
             else:
                 await self._index(principal.account)
-                status, remaining, reset_ms, available = await self._ledger.admit_script(
-                    keys=[keys.window(tier_name), keys.balance, keys.holds, keys.hold_expiry],
-                    args=[limit, WINDOW_MS, hold.hold_id if hold else "", hold.amount if hold
-                          else 0, hold.ttl_s if hold else 0])
+                status, remaining, reset_ms, available = await self._keyed.call(
+                    self._admit,
+                    [keys.window(tier_name), keys.balance, keys.holds, keys.hold_expiry],
+                    [limit, WINDOW_MS, hold.hold_id if hold else "", hold.amount if hold else 0,
+                     hold.ttl_s if hold else 0])
         except StoreBusy:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is busy; try again shortly",
                                headers={"Retry-After": "1"}) from None
@@ -104,6 +111,10 @@ class Admitter:
         if status == DUPLICATE_HOLD:
             raise RuntimeError("hold id reused")  # ids are random: this is a bug, not a client
         return window
+
+    async def close(self) -> None:
+        await self._keyed.close()
+        await self._guests.close()
 
     async def count(self, principal: Principal, tier_name: str, tier: TierPolicy) -> Window:
         """Count an attempt that holds nothing (refused early, or a route without credits)."""

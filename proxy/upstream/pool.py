@@ -17,6 +17,8 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 
+from yarl import URL
+
 from proxy.config import CHAT_KINDS, BackendSpec, HealthSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
@@ -45,7 +47,7 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("auth", "base_url", "forward", "health", "max_ejected_ratio", "name",
+    __slots__ = ("_urls", "auth", "base_url", "forward", "health", "max_ejected_ratio", "name",
                  "outstanding", "peers", "probed", "record", "spec", "supervised")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
@@ -53,6 +55,7 @@ class Backend:
         self.spec = spec
         self.name = spec.name
         self.base_url = spec.url.rstrip("/")
+        self._urls: dict[str, URL] = {}
         self.forward = HeaderRule(spec.forward_headers)
         key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
         self.auth = {"authorization": f"Bearer {key}"} if key else {}
@@ -68,6 +71,13 @@ class Backend:
         self.max_ejected_ratio = settings.max_ejected_ratio
         self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
+
+    def url(self, path: str) -> URL:
+        """The backend's URL for `path`, built once (yarl parsing is not free per request)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.base_url + path, encoded=True)
+        return url
 
     @property
     def fresh_verified(self) -> bool:

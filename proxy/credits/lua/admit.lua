@@ -3,10 +3,16 @@
 -- admitted request (scored by Redis' own clock, so every worker and host agrees on the time).
 -- A request refused by the limit counts nothing; one refused for credits has been counted.
 --
+-- Windows and holds are soft state: neither written to the AOF nor replicated, so admission
+-- never waits for an fsync. A Redis crash forgets them: the windows restart, and a request that
+-- was running then finds no hold to settle and goes free (never an over-spend). What moved money
+-- (settle.lua, credit.lua) is persisted.
+--
 -- KEYS: window zset, balance hash, holds hash, hold expiry zset (all under the account's tag)
 -- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s
 -- Returns {status, remaining, reset ms, available}: status 1 admitted, 0 rate limited,
 --   2 insufficient credits, 3 hold id already used. remaining is -1 without a limit.
+redis.set_repl(redis.REPL_NONE)
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local limit = tonumber(ARGV[1])

@@ -1,5 +1,7 @@
 -- End a hold exactly once (charge min(cost, held), release the rest), or journal a use that held
 -- nothing (guests); append the journal entry and keep the running totals, in one atomic step.
+-- Holds are soft state (see admit.lua): releasing one is not persisted, only the charge is, so
+-- the AOF replays to the balance with no hold in it.
 --
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash
 -- ARGV: hold id ('' for none), cost, status, model, prompt tokens, completion tokens,
@@ -13,11 +15,14 @@ if ARGV[1] ~= '' then
   if not held then return -1 end
   held = tonumber(held)
   charge = math.max(0, math.min(cost, held))
+  redis.set_repl(redis.REPL_NONE)
   redis.call('HINCRBY', KEYS[1], 'held', 0 - held)
-  redis.call('HINCRBY', KEYS[1], 'spent', charge)
-  redis.call('HINCRBY', KEYS[1], 'available', held - charge)
+  redis.call('HINCRBY', KEYS[1], 'available', held)
   redis.call('HDEL', KEYS[2], ARGV[1])
   redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.set_repl(redis.REPL_ALL)
+  redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)
+  redis.call('HINCRBY', KEYS[1], 'spent', charge)
 end
 local keep = tonumber(ARGV[8])
 if ARGV[1] == '' then

@@ -6,6 +6,7 @@ serve, simulate, check-config, and the administration commands: keys, accounts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
-    result: int = handler(args)
+    try:
+        result: int = handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader closed the pipe early (`keys create ... | head -n1`): it has what it
+        # wanted; say nothing more, and keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return result
 
 

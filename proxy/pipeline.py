@@ -14,6 +14,7 @@ style. A rejected request never reaches an upstream, and nothing runs before its
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -54,6 +55,10 @@ from proxy.upstream.relay import relay_stream
 from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
+# Streams that broke after the 200 went out: the client saw an in-band error event.
+_BROKEN_STREAMS = frozenset({Outcome.CUT, Outcome.TIMEOUT, Outcome.FAILED})
+
+log = logging.getLogger("proxy.pipeline")
 
 
 def chat_route(style: ChatStyle) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -108,6 +113,10 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         result.status = Outcome.CLIENT_GONE
         raise
     finally:
+        if result.status in _BROKEN_STREAMS and response is not None:
+            log.warning("stream on %s ended %s after %d content chunk(s) (request %s)",
+                        request.path, result.status, result.chunks.chunks if result.chunks else 0,
+                        request_id)
         meter.settle(app[SETTLER], app[LEDGER].settle_script, result)
         if claimed and claim is not None:
             _keep_or_release(request, claim, result, response)

@@ -146,3 +146,20 @@ async def test_health_endpoints(setup: Any) -> None:
             assert response.status == 200
             checks = (await response.json())["checks"]
             assert checks["redis"] is True and checks["backends"] is True
+
+
+async def test_502s_and_cut_streams_are_logged(
+    simulator: SimulatorFactory, gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await gateway(await simulator())
+    caplog.set_level("WARNING")
+    status, headers, _ = await post(gw, {"model": MODEL, "messages": HELLO},
+                                    headers={"x-sim-status": "500"})
+    assert status == 502
+    request_id = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+    assert f"-> 502 upstream_error (request {request_id})" in caplog.text
+    status, headers, _ = await post(gw, {"model": MODEL, "messages": HELLO, "stream": True},
+                                    headers={"x-sim-cut-after": "4"})
+    assert status == 200
+    request_id = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+    assert f"ended cut after 3 content chunk(s) (request {request_id})" in caplog.text

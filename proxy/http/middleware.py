@@ -44,6 +44,9 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
                 drain.leave()
     except GatewayError as exc:
         response = error_response(request, exc)
+        if exc.status >= 500:  # the operator's business: upstream failures, outages
+            log.warning("%s %s -> %d %s (request %s)", request.method, request.path,
+                        exc.status, exc.kind.type, request_id)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

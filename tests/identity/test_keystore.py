@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -551,3 +552,14 @@ async def test_admin_bad_bodies(
         resp = await client.post("/admin/keys", headers=auth, data=raw_body)
         assert resp.status == 400
     assert await redis.dbsize() == 0
+
+
+def test_cli_key_piped_to_head_exits_cleanly(cli_config: str, redis_server: RedisProcess
+                                             ) -> None:
+    # The README's `KEY=$(inference-gateway keys create ... | head -n1)`: no traceback.
+    done = subprocess.run(
+        f"{sys.executable} -m proxy keys create --account piped --tier basic "
+        f"--config {cli_config} | head -n1", shell=True, capture_output=True, text=True,
+        timeout=30, env={**os.environ, "GATEWAY_REDIS_URL": redis_server.url})
+    assert done.stdout.startswith("igw_sk_") and len(done.stdout.splitlines()) == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr

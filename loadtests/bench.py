@@ -435,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             setup = start_servers(args, stack)
             rss_start = procs.rss_bytes(setup.worker_pid) if setup.worker_pid else None
             results = run_async(measure(args, setup))
+            held = results.get("rss", {}).get("gateway")
+            if held is not None and rss_start is not None:
+                held.figures["rss_start_mb"] = rss_start / 1e6
             worker_now = None
             if setup.worker_pid is not None and setup.servers:
                 gateway_server = next(s for s in setup.servers if s.name == "gateway")

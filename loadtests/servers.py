@@ -1,16 +1,20 @@
-"""The servers under test: a simulator and a gateway in front of it, as pinned child processes.
+"""The servers under test as child processes: an upstream mock (nginx or the Python simulator), a
+slow simulator for the open-streams phase, and a gateway with one worker in front of them.
 
 Each child gets its own session (a terminal's Ctrl-C reaches only the driver, which then stops
 them in order) and, on Linux, a parent-death signal, so even a SIGKILLed driver leaves no
-servers behind.
+servers behind. Everything starts on the load core; once the gateway is ready, its one worker
+process (every thread of it) is moved alone to the other core (DESIGN §7).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,9 +25,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtests import procs
+
 _PR_SET_PDEATHSIG = 1
 # The children run `python -m proxy` from this working tree, whatever the caller's directory.
 ROOT = Path(__file__).resolve().parent.parent
+WORKER_MODULE = "proxy.runtime.worker"
+BENCH_TIER = "bench"
+# Where Debian and most distributions install nginx; often missing from a non-root PATH.
+_SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+# Variables that would point a started gateway (or the key provisioning) at someone else's Redis.
+_SCRUBBED_ENV = ("GATEWAY_REDIS_URL", "GATEWAY_RATELIMIT_REDIS_URL")
 
 
 class ServerFailed(RuntimeError):
@@ -32,12 +44,12 @@ class ServerFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Pinning:
-    server_core: int
-    load_core: int
+    worker_core: int  # the gateway's one worker process, alone
+    load_core: int  # load generator, upstream mocks, the gateway's master and redis-servers
 
 
 def plan_pinning() -> Pinning | None:
-    """Servers on the first usable core, the load generator on the second (DESIGN §7)."""
+    """The gateway worker on the first usable core, everything else on the second."""
     if not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
@@ -51,6 +63,10 @@ def free_port() -> int:
         return port
 
 
+def child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+
+
 class Server:
     """One child process, its output in a log file."""
 
@@ -60,11 +76,20 @@ class Server:
         with log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=ROOT, start_new_session=True, preexec_fn=_child_setup(core),
+                cwd=ROOT, env=child_env(), start_new_session=True,
+                preexec_fn=_child_setup(core),
             )
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM (the gateway then stops its own redis-server), then SIGKILL the group."""
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def pids(self) -> list[int]:
+        """The process and everything below it (nginx's worker, the gateway's redis-servers)."""
+        return [self.pid, *(c.pid for c in procs.descendants(self.pid))]
+
+    def stop(self, grace: float = 8.0) -> None:
+        """SIGTERM (the gateway drains, then stops its own redis-servers), then SIGKILL."""
         if self.popen.poll() is None:
             self.popen.terminate()
             try:
@@ -72,24 +97,12 @@ class Server:
                 return
             except subprocess.TimeoutExpired:
                 pass
+        for child in procs.descendants(self.pid):  # the gateway's worker has its own session
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
-
-    def cpu_seconds(self) -> float | None:
-        """CPU time of the process and its direct children (the gateway's redis-server)."""
-        pids = [self.popen.pid]
-        with contextlib.suppress(OSError):
-            children = Path(f"/proc/{self.popen.pid}/task/{self.popen.pid}/children")
-            pids += [int(pid) for pid in children.read_text().split()]
-        total = 0.0
-        for pid in pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                return None
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -116,18 +129,30 @@ def wait_ready(url: str, *, timeout: float = 30.0, server: Server | None = None)
             if server is not None:
                 raise server.failed(f"not ready at {url} after {timeout:.0f} s")
             raise ServerFailed(f"not ready at {url} after {timeout:.0f} s")
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def nginx_binary() -> str | None:
+    """nginx from PATH, or from the sbin folders a non-root PATH often lacks."""
+    return shutil.which("nginx") or shutil.which("nginx", path=_SBIN)
+
+
+def nginx_args(binary: str, conf: Path) -> list[str]:
+    # -e: the error log before the config is read (the default, /var/log/nginx, may be
+    # unwritable); -p: relative paths in the config are taken from its folder.
+    return [binary, "-e", str(conf.parent / "error.log"), "-p", str(conf.parent), "-c", str(conf)]
 
 
 def simulator_args(
-    kind: str, port: int, model: str, *, completion_tokens: int, concurrency: int
+    kind: str, port: int, model: str, *, completion_tokens: int, tokens_per_s: float = 0,
+    max_concurrency: int = 128,
 ) -> list[str]:
     return [
         sys.executable, "-m", "proxy", "simulate", kind, "--host", "127.0.0.1",
-        "--port", str(port), "--model", model, "--tokens-per-s", "0", "--ttft-ms", "0",
-        "--completion-tokens", str(completion_tokens),
+        "--port", str(port), "--model", model, "--tokens-per-s", f"{tokens_per_s:g}",
+        "--ttft-ms", "0", "--completion-tokens", str(completion_tokens),
         # The TGI simulator answers 429 above its cap, which would count as gateway errors.
-        "--max-concurrency", str(max(128, concurrency)),
+        "--max-concurrency", str(max_concurrency),
     ]
 
 
@@ -136,48 +161,108 @@ def gateway_args(config_dir: Path, port: int) -> list[str]:
             "--port", str(port), "--workers", "1"]  # DESIGN §7 measures one worker
 
 
-def write_gateway_config(
-    folder: Path, *, port: int, upstream_url: str, kind: str, model: str
-) -> Path:
-    """A one-backend config whose embedded redis-server lives in `folder` (JSON strings are
-    valid TOML basic strings, which quotes paths and URLs safely)."""
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    kind: str
+    url: str
+    model: str
+
+
+def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]) -> Path:
+    """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic
+    strings, which quotes paths and URLs safely)."""
     q = json.dumps
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "backends.toml").write_text(
-        "[gateway]\n"
-        f'host = "127.0.0.1"\nport = {port}\ndata_dir = {q(str(folder / "data"))}\n\n'
-        "[[backends]]\n"
-        f'name = "bench"\nkind = {q(kind)}\nurl = {q(upstream_url)}\nmodels = [{q(model)}]\n'
-        "max_concurrency = 100000\n"
-    )
-    # A tier fast enough never to limit the benchmark, so the full policy path (key lookup, the
-    # Redis rate-limit hit) runs on every request without rejecting any.
-    (folder / "policies").mkdir(exist_ok=True)
-    (folder / "policies" / "tiers.toml").write_text(
+    text = ("[gateway]\n"
+            f'host = "127.0.0.1"\nport = {port}\ndata_dir = {q(str(folder / "data"))}\n'
+            "drain_timeout_s = 2\n\n"
+            # Probes still run every 5 s, but a mock slowed down by the busy load core must not
+            # be ejected mid-run (that would show as 503 "no healthy backend").
+            "[health]\ntimeout_s = 10\n")
+    for b in backends:
+        text += ("\n[[backends]]\n"
+                 f"name = {q(b.name)}\nkind = {q(b.kind)}\nurl = {q(b.url)}\n"
+                 f"models = [{q(b.model)}]\nmax_concurrency = 100000\n")
+    (folder / "backends.toml").write_text(text)
+    policies = folder / "policies"
+    policies.mkdir(exist_ok=True)
+    # One tier whose limit never binds (per account: 200 accounts share at most a few thousand
+    # requests/s, the limit is 1,000,000 a minute each), so the full policy path runs on every
+    # request (key lookup, the sliding-window hit, the credit hold) without refusing any.
+    (policies / "tiers.toml").write_text(
         '[tiers.guest]\nrequests_per_minute = 3\nfamilies = ["chat"]\n'
         'models = { "*" = ["direct"] }\n\n'
-        '[tiers.bench]\nrequests_per_minute = 1000000\nfamilies = ["chat"]\n'
+        f'[tiers.{BENCH_TIER}]\nrequests_per_minute = 1000000\nfamilies = ["chat"]\n'
         'models = { "*" = ["direct", "network"] }\n'
+    )
+    # Real prices, so every request holds credits and settles a charge.
+    (policies / "prices.toml").write_text(
+        'version = "bench"\n\n[default]\nprompt_per_1k_tokens = 100\n'
+        "completion_per_1k_tokens = 300\n"
     )
     return folder
 
 
-def create_key(config_dir: Path) -> str:
-    """A bench-tier key, created through the CLI like an operator would."""
-    done = subprocess.run(
-        [sys.executable, "-m", "proxy", "keys", "create", "--account", "bench", "--tier",
-         "bench", "--config", str(config_dir)],
-        capture_output=True, text=True, timeout=30, check=True,
-    )
-    return done.stdout.split()[0]
+def create_keys(config_dir: Path, count: int, *, credits_each: int) -> list[str]:
+    """`count` keys of the bench tier, one account each, every account topped up with
+    `credits_each` credits. The same library calls as `proxy keys create` and `proxy credits
+    add`, in one process: 200 CLI runs would take a minute."""
+    return asyncio.run(_create_keys(config_dir, count, credits_each))
+
+
+async def _create_keys(config_dir: Path, count: int, credits_each: int) -> list[str]:
+    from proxy.config import load_config
+    from proxy.credits.ledger import Ledger
+    from proxy.identity.keystore import KeyStore
+    from proxy.runtime.redis_process import RedisProcess, connect_redis
+
+    config = load_config(config_dir)
+    redis = connect_redis(RedisProcess(config.data_dir / "redis").url, timeout_s=10.0)
+    try:
+        store = KeyStore(redis, config.policies.auth.keys)
+        ledger = Ledger(redis)
+
+        async def one(i: int) -> str:
+            account = f"bench-{i:04d}"
+            raw, _ = await store.create(account, BENCH_TIER, "loadtests")
+            await ledger.credit(account, credits_each * 1_000_000,
+                                {"reason": "benchmark", "actor": "loadtests",
+                                 "ts": int(time.time())})
+            return raw
+
+        keys: list[str] = []
+        for start in range(0, count, 50):  # a few at a time: the ledger fsyncs every write
+            keys += await asyncio.gather(*(one(i) for i in range(start, min(count, start + 50))))
+        return keys
+    finally:
+        await redis.aclose()
+
+
+def gateway_worker_pid(master_pid: int, *, timeout: float = 10.0) -> int:
+    """The `python -m proxy.runtime.worker` child of a gateway master started with one worker."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = [c.pid for c in procs.descendants(master_pid) if WORKER_MODULE in c.cmdline]
+        if len(workers) == 1:
+            return workers[0]
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"expected one gateway worker process, found {len(workers)}")
+        time.sleep(0.05)
+
+
+def redis_pids(master_pid: int) -> list[int]:
+    # redis-server rewrites its title ("/path/redis-server unixsocket:/..."), so match loosely.
+    return [c.pid for c in procs.descendants(master_pid) if "redis-server" in " ".join(c.cmdline)]
 
 
 def _child_setup(core: int | None) -> Callable[[], None]:
     def setup() -> None:  # runs in the child between fork and exec
         if core is not None:
-            os.sched_setaffinity(0, {core})  # inherited by the gateway's redis-server too
+            os.sched_setaffinity(0, {core})  # inherited by the gateway's redis-servers too
         if sys.platform == "linux":
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
     return setup
+

@@ -1,36 +1,207 @@
-"""The load-test tooling works: the benchmark driver runs end to end and the locustfile loads.
+"""The load-test tooling works: the benchmark driver runs end to end, its pieces do what the
+figures rely on, and the locustfile loads.
 
 No timing thresholds here: CI machines are shared, so the figures are for people to read
 (loadtests/README.md); CI only proves the driver measures both sides and every answer checks out.
+CI has no nginx: the quick run uses the Python simulator, and the nginx mock's own test is
+skipped where nginx is not installed.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loadtests import loadgen, mock, report
+from loadtests.checks import StreamCheck, completion_problem
+from loadtests.servers import Server, free_port, nginx_args, nginx_binary, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
+LOADED = ("throughput", "stream", "open_loop")
 
 
 def test_bench_quick_run_measures_both_targets_without_errors(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
+    started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "loadtests.bench", "--quick", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert set(figures["phases"]) == {"latency", "throughput", "stream_c1", "stream"}
-    for key, phase in figures["phases"].items():
+    assert set(figures["phases"]) == {*LOADED, "rss"}
+    for key in LOADED:
         for target in ("direct", "gateway"):
-            summary = phase[target]
+            summary = figures["phases"][key][target]
             assert summary["requests_per_s"] > 0, (key, target)
+            assert summary["p50_ms"] > 0, (key, target)
             assert summary["errors"] == 0, (key, target, summary["error_kinds"])
     for target in ("direct", "gateway"):
-        assert figures["phases"]["stream"][target]["events_per_s"] > 0
+        stream = figures["phases"]["stream"][target]
+        assert stream["events_per_request"] == mock.STREAM_EVENTS, target  # same 52 both sides
+        assert figures["phases"]["open_loop"][target]["lag_p99_ms"] >= 0
+    rss = figures["phases"]["rss"]
+    assert rss["direct"] is None
+    assert rss["gateway"]["errors"] == 0, rss["gateway"]["error_kinds"]
+    assert rss["gateway"]["streams_open"] == figures["meta"]["streams"] == 50
+    assert rss["gateway"]["rss_idle_mb"] > 0 and rss["gateway"]["rss_open_mb"] > 0
+    # A smoke run judges errors only; timing targets are shown, never checked.
+    assert figures["passed"] is True
+    assert [c["passed"] for c in figures["checks"] if c["field"] != "errors"] == [None] * 5
     assert "verdict:" in result.stdout
+    assert "pinned: gateway worker" in result.stdout or "not pinned" in result.stdout
+    assert took < 40, f"--quick took {took:.0f} s"
+
+
+def test_mock_stream_is_52_events_vllm_would_send() -> None:
+    events = mock.stream_events()
+    assert len(events) == mock.STREAM_EVENTS == 52
+    docs = [json.loads(e) for e in events[:-1]]
+    assert docs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(d["choices"][0]["delta"]["content"] for d in docs[1:49])
+    assert docs[49]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": "stop"}
+    assert docs[50]["choices"] == [] and docs[50]["usage"]["completion_tokens"] == 48
+    assert events[-1] == b"[DONE]"
+    check = StreamCheck()
+    check.feed(mock.stream_body())
+    assert check.finish() is None
+    assert check.events == 52
+    completion = mock.completion_body()
+    assert completion_problem(200, completion) is None
+    assert json.loads(completion)["usage"]["completion_tokens"] == mock.COMPLETION_TOKENS
+
+
+def test_nginx_conf_parameters_fit_nginx_buffer(tmp_path: Path) -> None:
+    conf = mock.nginx_conf(tmp_path, port=8081, slow_model="acme/slow-chat")
+    # nginx refuses a single parameter longer than its 4 KiB config buffer.
+    assert max(len(s) for s in re.findall(r'"(?:[^"\\]|\\.)*"', conf)) < 4000
+    assert "access_log off;" in conf and "worker_processes 1;" in conf
+    assert "limit_rate" in conf
+
+
+@pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI)")
+def test_nginx_mock_answers(tmp_path: Path) -> None:
+    binary = nginx_binary()
+    assert binary is not None
+    port = free_port()
+    conf = mock.write_conf(tmp_path / "nginx", port=port, slow_model="acme/slow-chat")
+    server = Server("nginx", nginx_args(binary, conf), tmp_path / "nginx.log", None)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(f"{base}/health", server=server, timeout=10)
+
+        def post(path: str, accept: str) -> Any:
+            request = urllib.request.Request(base + path, data=b"{}", method="POST",
+                                             headers={"Accept": accept})
+            return urllib.request.urlopen(request, timeout=5)
+
+        with post("/v1/chat/completions", "application/json") as resp:
+            assert resp.headers["Content-Type"] == "application/json"
+            assert resp.read() == mock.completion_body()
+        with post("/v1/chat/completions", "text/event-stream") as resp:
+            assert resp.headers["Content-Type"] == "text/event-stream"
+            assert resp.read() == mock.stream_body()
+        with post("/slow/v1/chat/completions", "application/json") as resp:  # deep probes
+            assert completion_problem(200, resp.read()) is None
+        started = time.monotonic()
+        with post("/slow/v1/chat/completions", "text/event-stream") as resp:
+            check = StreamCheck()
+            while not check.feed(resp.read1(4096)):
+                pass
+            assert time.monotonic() - started < 1  # the first token at once, then a trickle
+    finally:
+        server.stop()
+
+
+def test_gateway_target_rotates_keys_and_both_send_accept() -> None:
+    target = loadgen.Target("gateway", "http://x", ("k1", "k2", "k3"))
+    sent = [target.headers(stream=False)["X-API-Key"] for _ in range(4)]
+    assert sent == ["k1", "k2", "k3", "k1"]
+    assert target.headers(stream=True)["Accept"] == "text/event-stream"
+    direct = loadgen.Target("direct", "http://x")
+    assert direct.headers(stream=False) == {"Accept": "application/json"}
+    body = json.loads(loadgen.chat_body("m", stream=True, max_tokens=64))
+    assert body["stream_options"] == {"include_usage": True}
+
+
+async def test_open_loop_keeps_the_schedule_and_times_from_it() -> None:
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=mock.completion_body(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with TestServer(app) as server:
+        target = loadgen.Target("direct", str(server.make_url("/v1/chat/completions")))
+        tally = loadgen.Tally()
+        body = loadgen.chat_body("m", stream=False, max_tokens=8)
+        async with loadgen.new_session(64) as session:
+            started = time.perf_counter()
+            await loadgen.run_open_loop(session, target, body, loadgen.chat_once, rate=400,
+                                        duration_s=0.25, tally=tally)
+            took = time.perf_counter() - started
+    summary = tally.summary()
+    assert summary["requests"] == 100 and summary["errors"] == 0
+    assert len(tally.lags_s) == 100
+    assert took >= 99 / 400  # the last request was not sent before its time
+    assert all(lat >= lag for lat, lag in zip(sorted(tally.latencies_s), sorted(tally.lags_s),
+                                              strict=True))
+
+
+def _summary(**values: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"requests": 10, "errors": 0, "error_kinds": {},
+                            "requests_per_s": math.nan, "p50_ms": math.nan, "p99_ms": math.nan,
+                            "events_per_request": math.nan, "events_per_s": math.nan,
+                            "lag_p99_ms": 0.1, "lag_max_ms": 0.2, "client_cpu_pct": 1.0,
+                            "server_cpu_pct": {}, "core_busy_pct": {}}
+    return {**base, **values}
+
+
+def _figures(*, judged: bool, gateway_rps: float = 3000, added_p99: float = 1.0,
+             rss_mb: float = 90.0, errors: int = 0) -> dict[str, Any]:
+    summaries: dict[str, dict[str, dict[str, Any] | None]] = {
+        "throughput": {"direct": _summary(requests_per_s=9000),
+                       "gateway": _summary(requests_per_s=gateway_rps, errors=errors,
+                                           error_kinds={"HTTP 503": errors} if errors else {})},
+        "stream": {"direct": _summary(requests_per_s=5000),
+                   "gateway": _summary(requests_per_s=1600)},
+        "open_loop": {"direct": _summary(p50_ms=0.3, p99_ms=1.0),
+                      "gateway": _summary(p50_ms=0.7, p99_ms=1.0 + added_p99)},
+        "rss": {"direct": None, "gateway": _summary(rss_idle_mb=70, rss_open_mb=rss_mb)},
+    }
+    meta = {"usable_cores": 2, "load_average_1m": {"before": 0.5, "after": 2.5}, "notes": [],
+            "judged": judged}
+    return report.build(meta, summaries, {}, judged=judged)
+
+
+def test_report_verdicts() -> None:
+    good = _figures(judged=True)
+    assert good["passed"] is True
+    assert good["phases"]["open_loop"]["compare"]["added_p50_ms"] == pytest.approx(0.4)
+    assert good["phases"]["throughput"]["compare"]["requests_per_s_ratio"] == pytest.approx(1 / 3)
+    assert math.isnan(good["phases"]["rss"]["compare"].get("x", math.nan))
+    for bad in (_figures(judged=True, gateway_rps=2400), _figures(judged=True, added_p99=2.5),
+                _figures(judged=True, rss_mb=101), _figures(judged=True, rss_mb=math.nan),
+                _figures(judged=True, errors=1)):
+        assert bad["passed"] is False
+    # The smoke run judges errors only.
+    assert _figures(judged=False, gateway_rps=10, rss_mb=500)["passed"] is True
+    assert _figures(judged=False, errors=2)["passed"] is False
+    text = report.render(_figures(judged=True, errors=2))
+    assert "HTTP 503 x2" in text and "FAIL" in text
+    assert "n/a" in text  # the memory phase has no direct side
 
 
 def test_locustfile_loads_without_starting_a_run() -> None:

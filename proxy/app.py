@@ -17,6 +17,7 @@ from typing import NamedTuple
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.api import account, admin, models, ollama_discovery
@@ -29,6 +30,7 @@ from proxy.appkeys import (
     LIMITER,
     LIVE,
     OPENAPI,
+    RATE_LIMIT_REDIS,
     REDIS,
     ROUTER,
     SETTLEMENTS,
@@ -75,17 +77,23 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: not draining, the state store answers, and a backend may take traffic."""
+    """Ready: not draining, the state store and the rate-limit store answer (one Redis or two),
+    and a backend may take traffic."""
     checks: dict[str, bool] = {"accepting": not request.app[DRAIN].draining}
-    try:
-        checks["redis"] = bool(await request.app[REDIS].ping())
-    except Exception:  # any failure to reach the store means not ready; its text is not public
-        checks["redis"] = False
+    checks["redis"], checks["rate_limit_redis"] = await asyncio.gather(
+        _answers(request.app[REDIS]), _answers(request.app[RATE_LIMIT_REDIS]))
     # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
     checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
     ready = all(checks.values())
     body = {"status": "ready" if ready else "not ready", "checks": checks}
     return web.json_response(body, status=200 if ready else 503)
+
+
+async def _answers(redis: Redis) -> bool:
+    try:
+        return bool(await redis.ping())
+    except Exception:  # any failure to reach the store means not ready; its text is not public
+        return False
 
 
 _NATIVE = "/v2/native"  # where Ollama clients point `host`
@@ -150,7 +158,10 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[REDIS] = connect_redis(redis_url)
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
-        app[LIMITER] = RateLimiter(rate_limit_redis_url(config, redis_url))
+        limits_url = rate_limit_redis_url(config, redis_url)
+        app[LIMITER] = RateLimiter(limits_url)
+        app[RATE_LIMIT_REDIS] = (app[REDIS] if limits_url == redis_url
+                                 else connect_redis(limits_url))
         app[LEDGER] = Ledger(app[REDIS])
         app[SETTLEMENTS] = set[asyncio.Task[None]]()
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
@@ -162,6 +173,8 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
             await asyncio.wait(settling, timeout=10)
         for task in tasks:
             await stop_task(task)
+        if app[RATE_LIMIT_REDIS] is not app[REDIS]:
+            await app[RATE_LIMIT_REDIS].aclose()
         await app[REDIS].aclose()
 
     return state_ctx

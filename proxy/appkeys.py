@@ -22,6 +22,8 @@ CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
 REDIS = web.AppKey("redis", Redis)
+# The rate-limit counters' server, for /readyz (the same client as REDIS when they share one).
+RATE_LIMIT_REDIS = web.AppKey("rate_limit_redis", Redis)
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
 LIMITER = web.AppKey("limiter", RateLimiter)

@@ -36,7 +36,7 @@ RATE_LIMIT_URL_ENV = "GATEWAY_RATELIMIT_REDIS_URL"
 def connect_redis(url: str, *, timeout_s: float = 2.0) -> Redis:
     """The one way the gateway makes a Redis client: pooled, with short timeouts, retrying a
     command whose connection dropped, was refused or timed out twice (0.1 s, then 0.2 s later):
-    enough to ride out a restart of the embedded Redis (about 0.15 s).
+    enough to ride out a restart of the embedded Redis (about 0.1 s).
 
     The asyncio `Retry`: redis-py accepts the sync one here too, but then never retries.
     A retried write may run twice if Redis died after running it but before answering: the

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.api import account, admin, models, ollama_discovery
@@ -77,17 +78,23 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: not draining, the state store answers, and a backend may take traffic."""
+    """Ready: not draining, the state store and the rate-limit store answer (one Redis or two),
+    and a backend may take traffic."""
     checks: dict[str, bool] = {"accepting": not request.app[DRAIN].draining}
-    try:
-        checks["redis"] = bool(await request.app[REDIS].ping())
-    except Exception:  # any failure to reach the store means not ready; its text is not public
-        checks["redis"] = False
+    checks["redis"], checks["rate_limit_redis"] = await asyncio.gather(
+        _answers(request.app[REDIS]), _answers(request.app[COUNTERS]))
     # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
     checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
     ready = all(checks.values())
     body = {"status": "ready" if ready else "not ready", "checks": checks}
     return web.json_response(body, status=200 if ready else 503)
+
+
+async def _answers(redis: Redis) -> bool:
+    try:
+        return bool(await redis.ping())
+    except Exception:  # any failure to reach the store means not ready; its text is not public
+        return False
 
 
 _NATIVE = "/v2/native"  # where Ollama clients point `host`

@@ -21,6 +21,7 @@ CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
 REDIS = web.AppKey("redis", Redis)
+# The rate-limit counters' server, for /readyz (the same client as REDIS when they share one).
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
 ADMITTER = web.AppKey("admitter", Admitter)

@@ -34,7 +34,7 @@ from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
-from proxy.http.body import parse_json_object, read_capped
+from proxy.http.body import read_json
 from proxy.identity import apikeys
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
@@ -93,7 +93,7 @@ async def require_admin(request: web.Request) -> None:
 
 async def create_key(request: web.Request) -> web.Response:
     await require_admin(request)
-    spec = _body(await _json_object(request), CreateKeyBody)
+    spec = _body(await read_json(request, _BODY_CAP), CreateKeyBody)
     tiers = set(request.app[LIVE].current.policies.tiers.tiers) - {GUEST_TIER}
     if spec.tier not in tiers:
         names = ", ".join(repr(t) for t in sorted(tiers))
@@ -132,7 +132,7 @@ async def show_account(request: web.Request) -> web.Response:
 async def add_credits(request: web.Request) -> web.Response:
     """A top-up, or a negative adjustment; journaled like any charge."""
     await require_admin(request)
-    spec = _body(await _json_object(request), CreditBody)
+    spec = _body(await read_json(request, _BODY_CAP), CreditBody)
     try:
         micro = parse_credits(spec.amount)
     except ValueError as exc:
@@ -210,10 +210,6 @@ def _body(body: dict[str, Any], schema: type[S]) -> S:
         return validate(body, schema)
     except RequestInvalid as exc:
         raise validation_failed(exc.detail) from None
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    return parse_json_object(await read_capped(request, _BODY_CAP))
 
 
 def _money(micro: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from proxy.appkeys import LIVE, ROUTER, STYLE
 from proxy.errors import ErrorKind, GatewayError, validation_failed
-from proxy.http.body import parse_json_object, read_capped
+from proxy.http.body import read_json
 from proxy.styles.ollama import OllamaStyle
 from proxy.upstream.pool import Backend
 from proxy.validate import RequestInvalid, validate
@@ -55,7 +55,7 @@ async def tags(request: web.Request) -> web.Response:
 
 async def show(request: web.Request) -> web.Response:
     await _authenticate(request)
-    body = parse_json_object(await read_capped(request, SHOW_MAX_BYTES))
+    body = await read_json(request, SHOW_MAX_BYTES)
     try:
         wanted = validate(body, ShowRequest)
     except RequestInvalid as exc:

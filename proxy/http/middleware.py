@@ -1,4 +1,5 @@
-"""The one middleware: a request id, the drain gate, and every error in the documented shape."""
+"""The one middleware: a request id, header-name hygiene, the drain gate, and every error in the
+documented shape."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     drain = request.app[DRAIN]
     counted = request.path not in _ALWAYS_SERVED
     try:
+        if _underscore_in_header_names(request):
+            # Envoy's edge rule (reliability.md I5): `X_Api_Key` and `X-Api-Key` must never
+            # be two spellings of one header to some server behind us.
+            raise GatewayError(ErrorKind.INVALID_REQUEST,
+                               "header names must not contain underscores")
         if counted:
             if drain.draining:
                 raise GatewayError(ErrorKind.UNAVAILABLE,
@@ -71,6 +77,13 @@ def error_response(request: web.Request, error: GatewayError) -> web.Response:
     """The error in the route's own style (OpenAI/FastAPI, Anthropic, Ollama)."""
     style = request.get(STYLE)
     body = style.error_body(error) if style is not None else error.json()
-    return web.Response(
+    response = web.Response(
         status=error.status, body=body, content_type="application/json", headers=error.headers,
     )
+    if error.headers.get("Connection") == "close":
+        response.force_close()  # the header alone does not make aiohttp close the connection
+    return response
+
+
+def _underscore_in_header_names(request: web.Request) -> bool:
+    return any(b"_" in name for name, _ in request.raw_headers)

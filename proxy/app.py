@@ -65,10 +65,6 @@ class Route(NamedTuple):
     doc: docs.Doc
 
 
-async def openapi_document(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[OPENAPI], content_type="application/json")
-
-
 async def healthz(request: web.Request) -> web.Response:
     """Alive: the process answers."""
     return web.json_response({"status": "ok"})
@@ -108,7 +104,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{_NATIVE}/api/ps", ollama_discovery.ps, docs.OLLAMA_PS),
     Route("GET", f"{_NATIVE}/", ollama_discovery.root, docs.OLLAMA_ROOT),
     Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT),
-    Route("GET", "/v2/openapi.json", openapi_document, docs.OPENAPI),
+    Route("GET", "/v2/openapi.json", docs.document, docs.OPENAPI),
     Route("GET", "/healthz", healthz, docs.HEALTHZ),
     Route("GET", "/readyz", readyz, docs.READYZ),
     # Operators.

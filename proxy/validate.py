@@ -28,6 +28,7 @@ __all__ = [
     "validate",
     "validate_with",
     "value_error",
+    "whole_numbers",
 ]
 
 T = TypeVar("T")
@@ -52,7 +53,34 @@ def validate(body: object, schema: type[T]) -> T:
     try:
         return msgspec.convert(body, schema)
     except msgspec.ValidationError as exc:
-        raise RequestInvalid(_explain(body, schema, exc)) from None
+        error = exc
+    # JSON (and JSON Schema, which the OpenAPI document speaks) has one number 1 = 1.0; msgspec
+    # refuses 1.0 for an int. Only for bodies that fail, so the fast path stays one conversion.
+    whole = whole_numbers(body)
+    if whole is not body:
+        try:
+            return msgspec.convert(whole, schema)
+        except msgspec.ValidationError as exc:
+            error = exc
+    raise RequestInvalid(_explain(whole, schema, error)) from None
+
+
+def whole_numbers(value: object) -> object:
+    """`value` with every integral float (within 64 bits) as an int; `value` itself if none is.
+
+    Both ends exclusive: orjson reads a JSON integer beyond 64 bits as the nearest float, which
+    is ±2**63 itself for the first ones out of range, and those must stay refused."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and -(2**63) < value < 2**63 else value
+    if isinstance(value, dict):
+        items = {k: whole_numbers(v) for k, v in value.items()}
+        changed = any(items[k] is not v for k, v in value.items())
+        return items if changed else value
+    if isinstance(value, list):
+        elements = [whole_numbers(v) for v in value]
+        changed = any(new is not old for new, old in zip(elements, value, strict=True))
+        return elements if changed else value
+    return value
 
 
 def validate_with(body: object, schema: type[T], rules: Callable[[T], list[ErrorItem]]) -> T:
@@ -187,7 +215,7 @@ def _check(t: mi.Type, v: object, loc: Loc, out: _Errors) -> None:
         elif isinstance(v, float):
             if not math.isfinite(v):
                 out.add(loc, "finite_number", "Input should be a finite number")
-            elif v.is_integer():  # msgspec is strict: 1.0 is not an integer
+            elif v.is_integer():  # beyond 64 bits (validate() took the others as integers)
                 out.add(loc, "int_type", "Input should be a valid integer")
             else:
                 out.add(loc, "int_from_float",

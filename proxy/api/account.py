@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from typing import Any
@@ -22,6 +23,8 @@ from proxy.identity.principal import Principal
 from proxy.policy.tiers import tier_of
 
 PAGE_MAX = 200
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # a journal (Redis Stream) entry id
+_UJSON_INT_MAX = 2**64 - 1
 _ADMIN_BODY_CAP = 16 * 1024
 
 
@@ -62,14 +65,13 @@ async def usage(request: web.Request) -> web.Response:
     """Totals and breakdowns over the journal's charges (newest page first)."""
     principal = await _principal(request)
     ledger: Ledger = request.app[LEDGER]
-    try:
-        limit = min(PAGE_MAX, max(1, int(request.query.get("limit", "50"))))
-    except ValueError:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, "limit must be a whole number") from None
-    before = request.query.get("before") or None
+    limit = _page_size(request.query.get("limit", "50"))
+    before = _entry_id(request.query.get("before") or None)
     try:
         everything = await ledger.all_entries(principal.account)
-        page = await ledger.entries(principal.account, before=before, count=limit)
+        # Nothing precedes the smallest id (and Redis refuses an exclusive range below it).
+        page = [] if before == "0-0" else \
+            await ledger.entries(principal.account, before=before, count=limit)
     except RedisError:
         raise store_unavailable("account store") from None
     return _json({
@@ -78,6 +80,32 @@ async def usage(request: web.Request) -> web.Response:
         "entries": [{"id": entry_id, **fields} for entry_id, fields in page],
         "next_before": page[-1][0] if len(page) == limit else None,
     })
+
+
+def _entry_id(text: str | None) -> str | None:
+    """A journal (Redis Stream) entry id, checked here: Redis refuses a malformed one, and that
+    is the caller's fault, not an outage of the store."""
+    if text is None:
+        return None
+    match = _ENTRY_ID.fullmatch(text)
+    if match is None:
+        raise GatewayError(ErrorKind.INVALID_REQUEST,
+                           "before must be the next_before of a previous page")
+    ms, seq = int(match[1]), int(match[2])
+    if ms > _UJSON_INT_MAX:  # later than any id Redis can hold: every entry precedes it
+        return None
+    return f"{ms}-{min(seq, _UJSON_INT_MAX)}"
+
+
+def _page_size(text: str) -> int:
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= PAGE_MAX:
+        raise GatewayError(ErrorKind.INVALID_REQUEST,
+                           f"limit must be a whole number from 1 to {PAGE_MAX}")
+    return limit
 
 
 def summarize(entries: list[dict[str, str]]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Annotated, Any, Final, Literal
 
@@ -87,6 +87,7 @@ class Response:
     headers: Mapping[str, Header] = field(default_factory=dict)
     links: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     event: Mapping[str, Any] | None = None  # a stream's schema: one event (SSE), as 3.1 says it
+    or_body: object = None  # a second shape the same status may have (anyOf)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Doc:
     auth_optional: bool = True  # spec: callers without a key are guests
     description: str = ""
     params: Params = ()
+    drains: bool = True  # refused (503) while the gateway drains; health probes are not
 
 
 _SECURITY_SCHEMES: Final[dict[str, Any]] = {
@@ -130,46 +132,51 @@ TASK_ID: Final = Header("`direct:<uuid>` or `network:<uuid>` (not on an idempote
 # ---- error bodies, one shape per family of routes ---------------------------------------------
 
 
-class ErrorInfo(msgspec.Struct, kw_only=True):
+class _Exact(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An error body is exactly this (additionalProperties: false): the families differ only
+    in their fields."""
+
+
+class ErrorInfo(_Exact):
     type: Annotated[str, Meta(description="Machine-readable error class (DESIGN §6 on gateway "
                                           "routes, Anthropic's error types on Messages)")]
     message: str
 
 
-class ValidationErrorItem(msgspec.Struct, kw_only=True):
+class ValidationErrorItem(_Exact):
     loc: Annotated[list[str | int], Meta(description="Path of the fault, starting at 'body' "
                                                      "(or 'header', 'path')")]
     msg: str
     type: str
 
 
-class ValidationErrorBody(msgspec.Struct, kw_only=True):
+class ValidationErrorBody(_Exact):
     detail: list[ValidationErrorItem]
     error: ErrorInfo
 
 
-class ErrorBody(msgspec.Struct, kw_only=True):
+class ErrorBody(_Exact):
     detail: str
     error: ErrorInfo
 
 
-class AnthropicErrorBody(msgspec.Struct, kw_only=True):
+class AnthropicErrorBody(_Exact):
     type: Literal["error"]
     error: ErrorInfo
     detail: Annotated[str, Meta(description="The message again, for FastAPI-style clients")]
 
 
-class AnthropicValidationErrorBody(msgspec.Struct, kw_only=True):
+class AnthropicValidationErrorBody(_Exact):
     type: Literal["error"]
     error: ErrorInfo
     detail: list[ValidationErrorItem]
 
 
-class OllamaErrorBody(msgspec.Struct, kw_only=True):
+class OllamaErrorBody(_Exact):
     error: str
 
 
-class OllamaValidationErrorBody(msgspec.Struct, kw_only=True):
+class OllamaValidationErrorBody(_Exact):
     error: str
     detail: list[ValidationErrorItem]
 
@@ -194,10 +201,10 @@ _WHEN: Final[Mapping[int, str]] = {
     429: "The tier's rate is exceeded (rate_limited)",
     501: "`async: true`: async chat tasks are not available yet (not_implemented)",
     502: "The upstream failed or sent something unusable (upstream_error)",
-    503: "No healthy backend, all saturated, the gateway is draining, or the state store is "
-         "down (unavailable)",
+    503: "No healthy backend, all saturated, or the state store is down (unavailable)",
     504: "The upstream did not answer in time (upstream_timeout)",
 }
+_TYPE_NAME: Final = re.compile(r" \([a-z_]+\)")
 _HEADERS_BY_STATUS: Final[Mapping[int, Mapping[str, Header]]] = {
     429: {"Retry-After": RETRY_AFTER, **RATE_LIMIT},
     503: {"Retry-After": RETRY_AFTER},
@@ -208,7 +215,10 @@ def error(family: Family, status: int, when: str | None = None, *, body: type | 
           headers: Mapping[str, Header] | None = None) -> Response:
     plain, listed = _BODIES[family]
     chosen = body or (listed if status == 422 else plain)
-    return Response(when or _WHEN[status], chosen, JSON,
+    text = when or _WHEN[status]
+    if family != "gateway":  # the gateway's `error.type` names do not apply there
+        text = _TYPE_NAME.sub("", text)
+    return Response(text, chosen, JSON,
                     headers if headers is not None else _HEADERS_BY_STATUS.get(status, {}))
 
 
@@ -379,6 +389,8 @@ def _chat(summary: str, description: str, request: type, family: Family,
                           ok_body, ok, {"X-Task-Id": TASK_ID, **RATE_LIMIT}, event=event),
             **(extra or {}),
             **errors(family, *_CHAT_ERRORS),
+            400: error(family, 400, "The body is not JSON or not a JSON object (invalid_json), "
+                                    "or the model server refused it (invalid_request)"),
             409: error(family, 409, headers={"Retry-After": RETRY_AFTER}),
         },
     )
@@ -451,12 +463,12 @@ OPENAPI: Final = Doc(
 )
 HEALTHZ: Final = Doc(
     summary="Alive: the process answers", responses={200: Response("Alive", Health)},
-    tags=("meta",), security=(),
+    tags=("meta",), security=(), drains=False,
 )
 READYZ: Final = Doc(
     summary="Ready: not draining, Redis answers, a backend may take traffic",
     responses={200: Response("Ready", Ready), 503: Response("Not ready", Ready)},
-    tags=("meta",), security=(),
+    tags=("meta",), security=(), drains=False,
 )
 
 _ADMIN_401: Final = Response(_WHEN[401].replace("Key or token", "Admin token or admin JWT"),
@@ -554,12 +566,13 @@ def build_openapi(routes: Iterable[tuple[str, str, Doc]], *, title: str, version
                   ) -> dict[str, Any]:
     """Render `(method, path, doc)` routes as an OpenAPI 3.1.0 document (a JSON-ready dict)."""
     routes = list(routes)
+    answers = [_answers(doc) for _, _, doc in routes]
     # All types go through one schema_components call so shared Structs become one component.
     types: list[object] = []
-    for _, _, doc in routes:
+    for (_, _, doc), responses in zip(routes, answers, strict=True):
         if doc.request is not None:
             types.append(doc.request)
-        types.extend(r.body for r in doc.responses.values() if r.body is not None)
+        types.extend(b for r in responses.values() for b in (r.body, r.or_body) if b is not None)
     unique = list(dict.fromkeys(types))
     schemas, components = msgspec.json.schema_components(unique, ref_template=_REF_TEMPLATE)
     schema_of = dict(zip(unique, schemas, strict=True))
@@ -569,7 +582,7 @@ def build_openapi(routes: Iterable[tuple[str, str, Doc]], *, title: str, version
             _merge_rules(components[struct.__name__], rules)
 
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, doc in routes:
+    for (method, path, doc), responses in zip(routes, answers, strict=True):
         item: dict[str, Any] = {"summary": doc.summary,
                                 "operationId": operation_id(method, path)}
         if doc.description:
@@ -588,7 +601,7 @@ def build_openapi(routes: Iterable[tuple[str, str, Doc]], *, title: str, version
                 media["example"] = doc.example
             item["requestBody"] = {"required": True, "content": {JSON: media}}
         item["responses"] = {str(status): _response(response, schema_of)
-                             for status, response in sorted(doc.responses.items())}
+                             for status, response in sorted(responses.items())}
         security: list[dict[str, list[str]]] = [{name: []} for name in doc.security]
         item["security"] = [*security, {}] if doc.auth_optional else security
         paths.setdefault(path, {})[method.lower()] = item
@@ -637,6 +650,29 @@ def _merge_rules(schema: dict[str, Any], rules: Mapping[str, Any]) -> None:
             schema[key] = value
 
 
+_DRAINING: Final = "the gateway is shutting down (draining)"
+
+
+def _answers(doc: Doc) -> dict[int, Response]:
+    responses = dict(doc.responses)
+    if doc.drains:
+        responses[503] = _draining(responses.get(503))
+    return responses
+
+
+def _draining(documented: Response | None) -> Response:
+    """Every route but the health probes answers 503 while the gateway drains. That answer
+    comes from the middleware, before a route's style is known, so it is in the gateway's own
+    shape even where the route's other errors are Anthropic's or Ollama's."""
+    if documented is None:
+        return Response(_DRAINING.capitalize(), ErrorBody, JSON, {"Retry-After": RETRY_AFTER})
+    if documented.body in (None, ErrorBody):
+        return replace(documented, description=f"{documented.description}; or {_DRAINING}")
+    return replace(documented, or_body=ErrorBody,
+                   description=f"{documented.description}; or {_DRAINING}, in the gateway's "
+                               "own error shape")
+
+
 def _param(where: str, p: Param) -> dict[str, Any]:
     out = {"name": p.name, "in": where, "required": p.required or where == "path",
            "schema": dict(p.schema)}
@@ -651,7 +687,10 @@ def _response(response: Response, schema_of: dict[object, Any]) -> dict[str, Any
     kinds = response.content
     for ct in (kinds,) if isinstance(kinds, str) else kinds:
         if response.body is not None and _is_json(ct):
-            content[ct] = {"schema": schema_of[response.body]}
+            schema = schema_of[response.body]
+            if response.or_body is not None:
+                schema = {"anyOf": [schema, schema_of[response.or_body]]}
+            content[ct] = {"schema": schema}
         elif ct == SSE and response.event is not None:
             content[ct] = {"schema": dict(response.event)}
         elif ct.startswith("text/"):

@@ -23,7 +23,8 @@ from proxy.identity.principal import Principal
 from proxy.policy.tiers import tier_of
 
 PAGE_MAX = 200
-_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # a journal (Redis Stream) entry id
+ENTRY_ID_PATTERN = r"([0-9]{1,20})-([0-9]{1,20})"  # a journal (Redis Stream) entry id
+_ENTRY_ID = re.compile(ENTRY_ID_PATTERN)
 _UJSON_INT_MAX = 2**64 - 1
 _ADMIN_BODY_CAP = 16 * 1024
 

@@ -29,6 +29,7 @@ from msgspec import Meta
 from msgspec import inspect as mi
 
 from proxy import appkeys
+from proxy.api.account import ENTRY_ID_PATTERN, PAGE_MAX
 from proxy.api.admin import CreateKeyBody, CreditBody
 from proxy.api.ollama_discovery import ShowRequest
 from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
@@ -127,6 +128,9 @@ RATE_LIMIT: Final[Mapping[str, Header]] = {
     "X-RateLimit-Reset": Header("Seconds until the window frees a slot", _SECONDS),
 }
 TASK_ID: Final = Header("`direct:<uuid>` or `network:<uuid>` (not on an idempotent replay)")
+REPLAYED: Final = Header("`true` when this is the stored answer to an earlier request with the "
+                         "same Idempotency-Key (nothing ran, nothing was charged)",
+                         {"const": "true"})
 
 
 # ---- error bodies, one shape per family of routes ---------------------------------------------
@@ -340,6 +344,26 @@ class ModelList(msgspec.Struct, kw_only=True):
     data: list[ModelInfo]
 
 
+class AnthropicMessage(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: Annotated[list[JSONObject], Meta(description="text, thinking and tool_use blocks")]
+    stop_reason: str | None
+    usage: JSONObject
+    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
+
+
+class OllamaAnswer(msgspec.Struct, kw_only=True):
+    model: str
+    created_at: str
+    message: JSONObject
+    done: Literal[True]
+    done_reason: str
+    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
+
+
 class OllamaVersion(msgspec.Struct, kw_only=True):
     version: str
 
@@ -357,8 +381,8 @@ _CHAT_HEADERS: Final[Params] = (
                      "once; another body under the same key is refused (422)")),
 )
 _CHAT_ERRORS: Final = (400, 401, 402, 403, 404, 409, 413, 415, 422, 429, 501, 502, 503, 504)
-_INTEGERS: Final = ("Integers are written without a fraction (1, not 1.0): the body is "
-                    "forwarded as sent, and some model servers refuse 1.0 where they count.")
+_INTEGERS: Final = ("An integer may be written 1.0 (JSON has one number); it is sent on as 1. "
+                    "Integers without a bound of their own are 64-bit.")
 
 
 def _sse_event(data: str, names: list[str] | None = None) -> JSONObject:
@@ -386,7 +410,8 @@ def _chat(summary: str, description: str, request: type, family: Family,
         example=example, tags=("chat",), params=_CHAT_HEADERS,
         responses={
             200: Response("The answer; a stream when asked for (see the media types)",
-                          ok_body, ok, {"X-Task-Id": TASK_ID, **RATE_LIMIT}, event=event),
+                          ok_body, ok, {"X-Task-Id": TASK_ID, "Idempotent-Replayed": REPLAYED,
+                                        **RATE_LIMIT}, event=event),
             **(extra or {}),
             **errors(family, *_CHAT_ERRORS),
             400: error(family, 400, "The body is not JSON or not a JSON object (invalid_json), "
@@ -418,7 +443,7 @@ MESSAGES_CHAT: Final = _chat(
     "Anthropic's Messages API (`x-api-key`, `anthropic-version` accepted); streams the full "
     "named-event sequence. Errors use Anthropic's shape.",
     MessagesRequest, "anthropic", (JSON, SSE),
-    {"model": EXAMPLE_MODEL, "max_tokens": 64, "messages": _HELLO}, ok_body=None,
+    {"model": EXAMPLE_MODEL, "max_tokens": 64, "messages": _HELLO}, ok_body=AnthropicMessage,
     event=ANTHROPIC_EVENT,
 )
 NATIVE_CHAT: Final = _chat(
@@ -426,7 +451,8 @@ NATIVE_CHAT: Final = _chat(
     "Ollama's /api/chat: NDJSON streaming on by default, the final line with `done`, "
     "`done_reason`, counts and durations in nanoseconds. Errors use Ollama's shape.",
     OllamaChatRequest, "ollama", (JSON, NDJSON),
-    {"model": EXAMPLE_MODEL, "messages": _HELLO, "stream": False}, ok_body=None, event=None,
+    {"model": EXAMPLE_MODEL, "messages": _HELLO, "stream": False}, ok_body=OllamaAnswer,
+    event=None,
 )
 MODELS: Final = Doc(
     summary="List current models",
@@ -443,8 +469,7 @@ ACCOUNT: Final = Doc(
     responses={200: Response("Account", AccountView, JSON, RATE_LIMIT), **_ACCOUNT_ERRORS},
     tags=("account",), auth_optional=False,
 )
-PAGE_MAX: Final = 200  # proxy.api.account.PAGE_MAX
-USAGE_BEFORE: Final = r"^([0-9]{1,20}-[0-9]{1,20})?$"  # a journal entry id, or empty
+USAGE_BEFORE: Final = f"^({ENTRY_ID_PATTERN})?$"  # a journal entry id, or empty
 ACCOUNT_USAGE: Final = Doc(
     summary="Usage: totals, per model, per day, and the journal (paginated)",
     responses={200: Response("Usage", Usage),
@@ -471,9 +496,9 @@ READYZ: Final = Doc(
     tags=("meta",), security=(), drains=False,
 )
 
-_ADMIN_401: Final = Response(_WHEN[401].replace("Key or token", "Admin token or admin JWT"),
-                             ErrorBody, JSON, {"WWW-Authenticate": Header("`Bearer`",
-                                                                          required=True)})
+_ADMIN_401: Final = Response(
+    "No admin token or admin-role JWT, or not a valid one (invalid_api_key)", ErrorBody, JSON,
+    {"WWW-Authenticate": Header("`Bearer`", required=True)})
 _ACCOUNT_PARAM: Final[tuple[Where, Param]] = (
     "path", Param("account", {"type": "string", "pattern": ACCOUNT_PATTERN}, required=True))
 _KEY_ID: Final = f"^{KEY_ID_PREFIX}[0-9a-f]{{{KEY_ID_HEX}}}$"

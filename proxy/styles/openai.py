@@ -12,16 +12,16 @@ from typing import Any
 from proxy.errors import GatewayError
 from proxy.http.sse import DONE_FRAME, frame
 from proxy.styles.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.styles.openai_schema import ChatRequest, validate_chat
-from proxy.validate import whole_numbers
+from proxy.styles.openai_schema import ChatRequest, chat_usage_rules
+from proxy.validate import conform_with
 
 
 class OpenAIStyle(ChatStyle):
     name = "openai"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        body = forwardable(body)
-        return self.call_for(validate_chat(body), body)
+        # Forwarded as it passed: with 1.0 as 1 where it had to be, which TGI (serde) needs.
+        return self.call_for(*conform_with(body, ChatRequest, chat_usage_rules))
 
     @staticmethod
     def call_for(request: ChatRequest, body: dict[str, Any]) -> ChatCall:
@@ -44,13 +44,6 @@ class OpenAIStyle(ChatStyle):
 
     def encoder(self, call: ChatCall, task_id: str) -> StreamEncoder:
         return OpenAIEncoder()
-
-
-def forwardable(body: dict[str, Any]) -> dict[str, Any]:
-    """The body as validated and sent on: 1.0 as 1 (JSON's one number), which the validator
-    takes as an integer and a Rust upstream (TGI's serde) would refuse where it counts."""
-    whole = whole_numbers(body)
-    return whole if isinstance(whole, dict) else body
 
 
 class OpenAIEncoder(StreamEncoder):

@@ -2,7 +2,9 @@
 
 These msgspec Structs are the single source of truth: `validate.py` checks request bodies against
 them (compiled by msgspec, no per-request schema interpretation) and `openapi.py` renders them as
-OpenAPI components, so the 422 errors and the published document cannot drift apart.
+OpenAPI components, so the 422 errors and the published document cannot drift apart. The usage
+rules msgspec types cannot carry are Python (`chat_usage_rules`), stated beside them as JSON
+Schema (`json_schema_rules`) for the document; tests/api checks that both say the same.
 
 Conventions: every optional field defaults to None (the gateway forwards what the client sent and
 does not inject the spec's documented defaults); the top-level request forbids unknown fields

@@ -1,6 +1,7 @@
-"""What a client can send the account and admin routes that the document bounds: a page size or
-`before` outside them is the caller's 400 (never a 503 "store down"), credit amounts and account
-names are checked before the ledger sees them, and the served document names today's tiers."""
+"""What the document bounds, as the gateway holds to it: a usage page size or `before` outside
+them is the caller's 400 (never a 503 "store down"), credit amounts and account names are
+checked before the ledger sees them, the served document names today's tiers, and an integer
+written 1.0 is taken and sent on as 1."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
+from tests.test_pipeline import sim_requests
 
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
 
@@ -82,3 +84,20 @@ async def test_served_document_names_the_tiers_and_models_of_now(
     status, _ = await call(gw, "POST", "/admin/keys", headers=ADMIN,
                            json={"account": "new", "tier": "basic"})
     assert status == 201
+
+
+@pytest.mark.parametrize("path", ["/v2/compat/v1/chat/completions",
+                                  "/v2/served/v1/chat/completions"])
+async def test_integers_written_as_floats_are_sent_on_as_integers(
+        gateway: GatewayFactory, simulator: SimulatorFactory, path: str) -> None:
+    # The document says "integer", and JSON Schema takes 1.0 as one; TGI's serde would not.
+    sim = await simulator("tgi")
+    gw = await gateway(sim, kind="tgi")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8.0,
+            "seed": 7.0, "temperature": 1.0}
+    status, _ = await call(gw, "POST", path, json=body,
+                           headers={"X-API-Key": gw.api_key})  # type: ignore[attr-defined]
+    assert status == 200
+    seen = (await sim_requests(sim))[-1]["body"]
+    assert seen["max_tokens"] == 8 and isinstance(seen["max_tokens"], int)
+    assert seen["seed"] == 7 and isinstance(seen["seed"], int)

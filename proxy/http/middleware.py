@@ -8,7 +8,7 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, STYLE
+from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, ROUTE_STYLES, STYLE
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import request_id_from
 from proxy.ids import hex_id
@@ -29,6 +29,9 @@ _ALWAYS_SERVED = frozenset({"/healthz", "/readyz"})
 async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request_id_from(request.headers.get("X-Request-Id"), hex_id())
     request[REQUEST_ID] = request_id
+    style = request.app[ROUTE_STYLES].get(request.match_info.handler)
+    if style is not None:  # errors in the route's own shape, from here on
+        request[STYLE] = style
     drain = request.app[DRAIN]
     counted = request.path not in _ALWAYS_SERVED
     try:

@@ -20,8 +20,8 @@ from aiohttp.typedefs import Handler
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from proxy.api import account, admin, models, ollama_discovery
-from proxy.api import openapi as docs
+from proxy.api import account, admin, models, ollama_discovery, openapi
+from proxy.api import route_docs as docs
 from proxy.appkeys import (
     ADMITTER,
     CONFIG,
@@ -67,7 +67,7 @@ class Route(NamedTuple):
     method: str
     path: str
     handler: Handler
-    doc: docs.Doc
+    doc: openapi.Doc
     style: ChatStyle | None = None  # whose shape its errors take (None: the gateway's own)
 
 
@@ -125,7 +125,7 @@ ROUTES: tuple[Route, ...] = (
           _OLLAMA),
     Route("GET", f"{_NATIVE}/", ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
     Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
-    Route("GET", "/v2/openapi.json", docs.document, docs.OPENAPI),
+    Route("GET", "/v2/openapi.json", openapi.document, docs.OPENAPI),
     Route("GET", "/healthz", healthz, docs.HEALTHZ),
     Route("GET", "/readyz", readyz, docs.READYZ),
     # Operators.
@@ -138,7 +138,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/admin/backends", admin.list_backends, docs.ADMIN_BACKENDS),
 )
 
-OPENAPI_DOCUMENT = docs.build_openapi(
+OPENAPI_DOCUMENT = openapi.build_openapi(
     ((r.method, r.path, r.doc, r.style.error_family if r.style else "gateway") for r in ROUTES),
     title="Inference Gateway", version=API_VERSION)
 

@@ -1,8 +1,10 @@
 """Writes that follow a request (settlements, idempotent results), batched per worker.
 
 A request queues its writes and is done: no task, no await, so a cancelled request still
-settles. One background task flushes whatever has queued as one pipeline — one round trip and,
-with `appendfsync always`, one fsync shared by every request that finished in that tick. A batch
+settles. One background task flushes whatever has queued as one pipeline, at most every
+`FLUSH_INTERVAL_S`: one round trip and, with `appendfsync always`, one fsync shared by every
+request that finished meanwhile. Redis fsyncs on its main thread, so every admission waits out an
+fsync in progress; fewer, larger batches keep those stalls rare. A batch
 that fails is retried with backoff (every write in it is safe to repeat: a settle of an ended hold
 does nothing, SET and DEL are idempotent) and, past the last attempt, dropped: its holds expire and
 the sweeper releases them, so a lost settlement never over-charges (reconcile reports it until
@@ -27,6 +29,7 @@ log = logging.getLogger("proxy.settler")
 Write = Callable[[Pipeline], object]
 
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # ~4 s in all: a Redis restart fits
+FLUSH_INTERVAL_S = 0.05  # a hold lives at most this much longer; Redis fsyncs ~20 times a second
 MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are dropped
 
 
@@ -57,9 +60,12 @@ class Settler:
 
     async def run(self) -> None:
         """Flush forever (the app's cleanup cancels it, then calls `drain`)."""
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
+            started = loop.time()
             await self.flush()
+            await asyncio.sleep(max(0.0, started + FLUSH_INTERVAL_S - loop.time()))
 
     async def flush(self) -> None:
         self._wake.clear()

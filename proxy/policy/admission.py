@@ -1,7 +1,7 @@
 """Admission: the tier's rate limit and the credit hold, in one Redis round trip.
 
-One Lua script (credits/lua/admit.lua), pipelined with the other admissions of the same loop tick
-(runtime.redis_batch), counts the request in the caller's sliding window (at most
+One Lua script (credits/lua/admit.lua), pipelined with the other admissions in flight on one
+connection (runtime.redis_batch), counts the request in the caller's sliding window (at most
 N requests in ANY 60 s, exact across every worker and gateway: no double burst at a window edge),
 reads the figures the rate-limit headers need from that same step, and places the credit hold.
 A keyed caller's window lives beside its balance (same hash tag, same Redis); a guest holds
@@ -35,7 +35,7 @@ from proxy.config import TierPolicy
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
-from proxy.runtime.redis_batch import ScriptBatch
+from proxy.runtime.redis_batch import ScriptPipe
 from proxy.runtime.redis_process import StoreBusy
 
 log = logging.getLogger("proxy.policy.admission")
@@ -73,9 +73,9 @@ class Admitter:
         self._ledger = ledger
         self._admit = ledger.admit_script
         self._guest_admit = counters.register_script(ledger.admit_script.script)
-        # Admissions of one loop tick share a pipeline, per Redis.
-        self._keyed = ScriptBatch(ledger.redis)
-        self._guests = ScriptBatch(counters)
+        # Admissions go out as they come on one connection per Redis, pipelined.
+        self._keyed = ScriptPipe(ledger.redis)
+        self._guests = ScriptPipe(counters)
         self._fallback = MovingWindowRateLimiter(MemoryStorage())
         self._indexed: set[str] = set()  # accounts this process already put in the index
         self.failed_open = 0

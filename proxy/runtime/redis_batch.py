@@ -1,80 +1,121 @@
-"""Script calls made in one loop tick go to Redis as one pipeline: one write, one read.
+"""Hot-path script calls over one connection, pipelined as they come.
 
-Under load many requests are admitted in the same tick; sent one by one, each call costs a pool
-checkout, a system call each way and redis-py's per-command wrapping (~70 µs of CPU); pipelined,
-about a quarter of that. Each caller still awaits its own reply, and an error reaches only the
-calls it concerns. A caller that is cancelled while waiting does not stop its command: whoever
-cancels must assume it ran (the pipeline treats it so: see `ChatMeter` and its stages).
+Every request's admission is one EVALSHA. Through redis-py's client each costs ~60 µs of CPU
+(pool checkout, a timeout task per write, retry and encoding wrappers); here the command is
+packed by redis-py's own connection and written at once, and one reader task takes the replies
+in order (Redis answers a connection's commands in the order they came), ~20 µs. Calls made
+while others are in flight share the connection's round trips, as a pipeline would.
+
+A connection that fails (refused, reset, no reply within `REPLY_TIMEOUT_S`) fails every call in
+flight on it with the error, and the next call connects afresh: callers treat that as the store
+being unreachable. A caller that is cancelled while waiting does not stop its command: whoever
+cancels must assume it ran (see `ChatMeter` and its stages).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import collections
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]
+REPLY_TIMEOUT_S = 2.0
 
 
-class ScriptBatch:
+class ScriptPipe:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
-        self._pending: list[Call] = []
-        self._sending: set[asyncio.Task[None]] = set()
+        kwargs = dict(redis.connection_pool.connection_kwargs)
+        # The reader bounds every reply instead: a write timeout would cost a task per write.
+        kwargs["socket_timeout"] = None
+        connection_class = redis.connection_pool.connection_class
+        self._make: Callable[[], AbstractConnection] = lambda: connection_class(**kwargs)
+        self._conn: AbstractConnection | None = None
+        self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._reader: asyncio.Task[None] | None = None
+        self._connecting = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
 
-    def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
-             ) -> asyncio.Future[Any]:
-        """Queue one call; the returned future gets its reply (or its error)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._send_pending)  # after the callbacks ready in this tick
-        self._pending.append((script, keys, args, future))
-        return future
-
-    def _send_pending(self) -> None:
-        batch, self._pending = self._pending, []
-        task = asyncio.create_task(self._send(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send(self, batch: list[Call]) -> None:
+    async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         try:
-            replies = await self._execute(batch)
-            missing = [c for c, r in zip(batch, replies, strict=True)
-                       if isinstance(r, NoScriptError)]
-            if missing:  # Redis restarted and lost its script cache: load, then once more
-                for script in {id(c[0]): c[0] for c in missing}.values():
-                    await self._redis.script_load(script.script)
-                again = dict(zip(map(id, missing), await self._execute(missing), strict=True))
-                replies = [again.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
-        except BaseException as exc:  # every waiter must hear of it
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        for (*_, future), reply in zip(batch, replies, strict=True):
-            if future.done():
-                continue  # its caller went away
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
+            return await self._evalsha(script, keys, args)
+        except NoScriptError:  # Redis restarted and lost its script cache: load, then again
+            await self._redis.script_load(script.script)
+            return await self._evalsha(script, keys, args)
 
-    async def _execute(self, batch: Sequence[Call]) -> list[Any]:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for script, keys, args, _ in batch:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-            return replies
+    async def _evalsha(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
+                       ) -> Any:
+        conn = self._conn if self._conn is not None else await self._connect()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        packed = conn.pack_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        # Queued before the write, with no await in between: replies pair with calls in order.
+        self._waiting.append(future)
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read(conn))
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+        except RedisError as exc:
+            self._fail(conn, exc)
+        return await future
+
+    async def _connect(self) -> AbstractConnection:
+        async with self._connecting:
+            if self._conn is None:
+                conn = self._make()
+                await conn.connect()  # type: ignore[no-untyped-call]
+                self._conn = conn
+            return self._conn
+
+    async def _read(self, conn: AbstractConnection) -> None:
+        """Replies to their callers, in order, while any are waiting."""
+        try:
+            while self._waiting and self._conn is conn:
+                try:
+                    reply: Any = await conn.read_response(timeout=REPLY_TIMEOUT_S)
+                except ResponseError as exc:  # this command's error (e.g. NOSCRIPT), not the link's
+                    reply = exc
+                if reply is None:  # redis-py's way of saying the timeout passed (our scripts
+                    raise RedisTimeoutError("no reply from Redis")  # never answer nil)
+                future = self._waiting.popleft()
+                if future.done():
+                    continue  # its caller went away
+                if isinstance(reply, Exception):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+        except (RedisError, OSError) as exc:
+            self._fail(conn, exc if isinstance(exc, RedisError) else RedisConnectionError(
+                "connection to Redis lost"))
+        finally:
+            if self._reader is asyncio.current_task():
+                self._reader = None
+            if self._waiting and self._conn is not None:  # calls came in as it finished
+                self._reader = asyncio.create_task(self._read(self._conn))
+
+    def _fail(self, conn: AbstractConnection, exc: RedisError) -> None:
+        if self._conn is not conn:
+            return
+        self._conn = None
+        waiting, self._waiting = self._waiting, collections.deque()
+        for future in waiting:
+            if not future.done():
+                future.set_exception(exc)
+        closing = asyncio.get_running_loop().create_task(conn.disconnect(nowait=True))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        """Let the pipelines in flight finish (shutdown)."""
-        if self._sending:
-            await asyncio.wait(self._sending, timeout=5)
+        if self._reader is not None:
+            await asyncio.wait({self._reader}, timeout=REPLY_TIMEOUT_S)
+        if self._closing:
+            await asyncio.wait(self._closing)
+        if self._conn is not None:
+            await self._conn.disconnect()
+            self._conn = None

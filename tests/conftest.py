@@ -21,6 +21,7 @@ from proxy.identity.keystore import KeyStore
 from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
+from proxy.simulators.runtime import STATE as SIM_STATE
 
 MODEL = "acme/small-chat"
 
@@ -105,9 +106,13 @@ GatewayFactory = Callable[..., Awaitable[TestServer]]
 async def simulator(aiohttp_server: Any) -> AsyncIterator[SimulatorFactory]:
     async def start(kind: str = "vllm", models: tuple[str, ...] = (MODEL,), **options: Any
                     ) -> TestServer:
-        server: TestServer = await aiohttp_server(
-            build_simulator(kind, SimConfig(models=models, **options))
-        )
+        app = build_simulator(kind, SimConfig(models=models, **options))
+        server: TestServer = await aiohttp_server(app)
+
+        async def close_port() -> None:  # an engine death ends the server, as vLLM exits
+            await server.close()
+
+        app[SIM_STATE].close_port = close_port
         return server
 
     yield start

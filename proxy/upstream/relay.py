@@ -4,7 +4,8 @@ The client's format (OpenAI SSE, Anthropic events, Ollama NDJSON) is the encoder
 
 Never buffered beyond what one upstream read returned; each write waits for the client to drain
 (backpressure). Response headers go out only once the first client-bound event exists, so an
-upstream that fails at once still gets a real HTTP status. After that the status is fixed at 200
+upstream that fails before that (an in-band error, a cut) is an `UpstreamFailure` the caller may
+retry on another backend, or else a real HTTP status. After that the status is fixed at 200
 and a failure (in-band error, cut connection, idle timeout) becomes exactly one error event
 followed by the normal terminator. A client that goes away cancels the handler, which closes the
 upstream request (see `Upstreams.exchange`).
@@ -23,6 +24,7 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.http.sse import DONE, Event, SSEDecoder
 from proxy.outcome import Outcome
 from proxy.styles.base import StreamEncoder
+from proxy.upstream.client import UpstreamFailure
 from proxy.upstream.wire import ChunkFilter, UpstreamStreamError
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -96,7 +98,10 @@ async def relay_stream(
         return response, StreamResult(Outcome.CLIENT_GONE)
 
     if result.error is not None and not response.prepared and not pending:
-        raise result.error  # nothing owed to the client yet: a real HTTP status
+        # Nothing for the client yet: a real HTTP status, or another backend's answer. Time
+        # spent waiting is not spent twice.
+        raise UpstreamFailure(result.error.kind, result.error.message,
+                              retryable=result.outcome is not Outcome.TIMEOUT)
     tail = pending
     tail.append(encoder.error(result.error) if result.error else encoder.end(chunks.usage))
     try:

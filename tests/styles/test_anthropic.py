@@ -667,4 +667,5 @@ def test_stream_encoder_reassembles_any_chunking(
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert names.count("content_block_start") == names.count("content_block_stop") == len(blocks)
     assert names.count("ping") == (1 if blocks else 0)
-    assert events[-2][1]["usage"] == {"output_tokens": 5, "input_tokens": 3}
+    assert events[-2][1]["usage"] == {"output_tokens": 5, "input_tokens": 3,
+                                      "cache_read_input_tokens": 0}

@@ -21,18 +21,17 @@ class PrefixCache:
         self.queries = 0  # tokens looked up
         self.hits = 0  # tokens found
 
-    def lookup(self, key: bytes, tokens: int) -> int:
-        """How many of this prompt's `tokens` are cached; remembers the prompt."""
+    def lookup(self, key: bytes, tokens: int) -> tuple[int, int]:
+        """(cached, newly cached) tokens of this prompt; remembers the prompt."""
         self.queries += tokens
+        blocks = max(0, tokens - 1) // self.block_size * self.block_size
         if key in self._seen:
-            cached = max(0, tokens - 1) // self.block_size * self.block_size
-        else:
-            if len(self._seen) >= _SEEN_KEPT:
-                self._seen.clear()
-            self._seen.add(key)
-            cached = 0
-        self.hits += cached
-        return cached
+            self.hits += blocks
+            return blocks, 0
+        if len(self._seen) >= _SEEN_KEPT:
+            self._seen.clear()
+        self._seen.add(key)
+        return 0, blocks
 
 
 # vLLM 0.32's buckets (vllm/v1/metrics/loggers.py).

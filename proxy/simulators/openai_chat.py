@@ -189,7 +189,8 @@ def chat_handler(d: Dialect) -> Handler:
         key = prompt_key(model, req.messages)
         limit = req.max_tokens if d.check is None else d.check(ex, req)
         if d.check is not None:
-            ex.cached_tokens = ex.state.cache.lookup(key, ex.prompt_tokens)
+            ex.cached_tokens, ex.created_cache_tokens = ex.state.cache.lookup(
+                key, ex.prompt_tokens)
         # ignore_eos: the "model" would go on past the cap, so the cap ends it (length).
         natural = limit + 1 if req.ignore_eos and limit is not None else ex.natural_tokens
         tool = pick_tool(req.tools, req.tool_choice)

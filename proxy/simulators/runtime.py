@@ -242,7 +242,8 @@ class Exchange:
         self.model = ""
         self.prompt_tokens = 0
         self.prompt_chars = 0  # TGI's x-compute-characters
-        self.cached_tokens = 0  # vLLM: prompt tokens found in the prefix cache
+        self.cached_tokens = 0  # vLLM: prompt tokens found in the prefix cache ...
+        self.created_cache_tokens = 0  # ... and written to it
         self.generations: list[Generation] = []
         self.holds_slot = False
 

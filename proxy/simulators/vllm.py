@@ -100,7 +100,8 @@ def usage_extra(ex: Exchange, whole: bool) -> JsonObj:
     """`prompt_tokens_details` (with --enable-prompt-tokens-details) as vLLM 0.32 shapes it."""
     details: JsonObj | None = None
     if ex.config.prompt_tokens_details:
-        details = {"cached_tokens": ex.cached_tokens, "created_cache_tokens": 0}
+        details = {"cached_tokens": ex.cached_tokens,
+                   "created_cache_tokens": ex.created_cache_tokens}
         if whole:
             details["multimodal_tokens"] = None
     if not whole:  # stream usage chunks leave out what is unset

@@ -82,7 +82,7 @@ async def test_a_repeated_prompt_hits_the_prefix_cache_in_whole_blocks(
             usage = orjson.loads(raw)["usage"]
         details.append(usage["prompt_tokens_details"])
     assert details == [
-        {"cached_tokens": 0, "created_cache_tokens": 0, "multimodal_tokens": None},
+        {"cached_tokens": 0, "created_cache_tokens": 48, "multimodal_tokens": None},
         {"cached_tokens": 48, "created_cache_tokens": 0, "multimodal_tokens": None},
         {"cached_tokens": 48, "created_cache_tokens": 0},  # streams leave out what is unset
     ]

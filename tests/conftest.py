@@ -49,6 +49,18 @@ async def new_key(redis_url: str, tier: str = "max", account: str = "acct-test")
     return raw
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-engine tier runs last, so its replicas live only while it runs (they start on
+    first use and stop at the session's end), and within it the tests that kill an engine run
+    after the others, which then need no restart."""
+
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        return (item.get_closest_marker("real_engine") is not None,
+                item.get_closest_marker("kills_engine") is not None)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -9,11 +9,12 @@ timeout is not retried (the time is spent), nor is TGI's 424 (the request itself
 fails). Everything maps to 502/503/504 with a public message, never the upstream's exception text.
 
 Every exchange also reports its outcome to the backend's health (passive ejection): a refused or
-reset connection, a timeout, a 5xx (or TGI's 424 generation failure), a stream cut or gone silent
-are failures, and each failure asks for a probe of that backend at once, so a dead server is out
-of rotation after its first failure rather than its fifth; a complete answer, or a client error
-the server judged properly (4xx), a success; 429 and 503 (busy, not broken: vLLM's full queue)
-and a cancelled request (the client went away) count as neither.
+reset connection, a timeout, a 5xx (or TGI's 424 generation failure), a stream cut, gone silent or
+ended by an error event (the relay marks its body) are failures, and each failure asks for a
+probe of that backend at once, so a dead server is out of rotation after its first failure rather
+than its fifth; a complete answer, or a client error the server judged properly (4xx), a
+success; 429 and 503 (busy, not broken: vLLM's full queue) and a cancelled request (the client
+went away) count as neither.
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ class Upstreams:
                 raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
                                       f"backend {backend.name!r} did not answer in time",
                                       retryable=False) from None
-            except aiohttp.ServerDisconnectedError:
-                # Closed before any response byte: nothing was generated for this request.
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # Closed or reset before any response byte (a server going down mid-request):
+                # nothing reached the client, so another backend may answer it.
                 _failed(backend)
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} closed the connection",

@@ -7,15 +7,19 @@ one is not taken for a broken one."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
 from proxy.config import BackendSpec
 from proxy.simulators.runtime import STATE
+from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend
 from proxy.upstream.prober import deep_probe, probe_session
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
@@ -100,3 +104,80 @@ async def test_a_busy_engine_passes_its_deep_probe(simulator: SimulatorFactory) 
             backend = Backend(BackendSpec(name="b", kind="vllm", models=[MODEL],
                                           url=str(sim.make_url("")).rstrip("/")))
             assert await deep_probe(session, backend) is alive
+
+
+async def busy_in_band(aiohttp_server: Any) -> TestServer:
+    """A vLLM that admitted a stream (200) and then found its queue full: the 503 in-band."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"error": {"message": "The engine is currently busy", '
+                             b'"type": "Service Unavailable", "param": null, "code": 503}}\n\n'
+                             b"data: [DONE]\n\n")
+        return response
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    server: TestServer = await aiohttp_server(app)
+    return server
+
+
+async def test_a_stream_refused_in_band_as_busy_is_retried_and_no_failure(
+    aiohttp_server: Any, simulator: SimulatorFactory, gateway: GatewayFactory
+) -> None:
+    busy, good = await busy_in_band(aiohttp_server), await simulator()
+    gw = await gateway(entry("busy", busy, weight=1000), entry("good", good))
+    assert await ok(gw, stream=True)
+    view = {b.name: b for b in gw.app[ROUTER].backends}["busy"]
+    assert view.health.consecutive_failures == 0 and view.healthy
+    alone = await gateway(entry("busy", busy))  # nowhere else to go: the client is told
+    status, headers, raw = await post(alone, {"model": MODEL, "messages": HELLO, "stream": True})
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert orjson.loads(raw)["error"]["type"] == "unavailable"
+
+
+async def test_an_error_event_mid_stream_is_a_failure_that_wakes_the_probe(
+    simulator: SimulatorFactory, gateway: GatewayFactory
+) -> None:
+    sim = await simulator()
+    gw = await gateway(entry("b", sim))
+    view = gw.app[ROUTER].backends[0]
+    assert view.health.last_probe == (Probe.CHEAP, True)  # the first round's
+    status, _, raw = await post(gw, {"model": MODEL, "messages": HELLO, "stream": True},
+                                headers={"x-sim-error-after": "3"})
+    assert status == 200 and b'"error"' in raw  # the client got content, then the error
+    for _ in range(50):
+        if view.health.last_probe == (Probe.DEEP, True):
+            break
+        await asyncio.sleep(0.01)
+    # Not a success: the failure had a real generation checked at once (it passed: still in).
+    assert view.health.last_probe == (Probe.DEEP, True) and view.healthy
+
+
+async def test_a_connection_reset_before_the_response_is_retried(
+    aiohttp_server: Any, simulator: SimulatorFactory, gateway: GatewayFactory
+) -> None:
+    """A server going down resets connections it had accepted: no byte came back, so another
+    backend answers."""
+    async def reset(request: web.Request) -> web.Response:
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        assert sock is not None and request.transport is not None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        request.transport.abort()  # RST, not FIN
+        return web.Response()
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", reset)
+    app.router.add_get("/health", health)
+    resetting: TestServer = await aiohttp_server(app)
+    good = await simulator()
+    gw = await gateway(entry("resetting", resetting, weight=1000), entry("good", good))
+    for stream in (False, True):
+        assert await ok(gw, stream)

@@ -166,8 +166,7 @@ async def watch_death(base: str, kill: Any) -> tuple[list[str], list[bytes], byt
         live = await session.post(base + "/v1/chat/completions", json={
             "model": SERVED, "messages": HELLO, "max_tokens": 900, "ignore_eos": True,
             "stream": True})
-        assert live.status == 200
-        await live.content.readline()
+        assert live.status == 200  # streaming; killed at once, before it could finish
         await kill()
         seen: list[str] = []
         failures: list[bytes] = []
@@ -187,7 +186,10 @@ async def watch_death(base: str, kill: Any) -> tuple[list[str], list[bytes], byt
             if not seen or seen[-1] != state:
                 seen.append(state)
             await asyncio.sleep(0.02)
-        tail = (await live.content.read())[-400:]
+        try:
+            tail = (await live.content.read())[-400:]
+        except aiohttp.ClientPayloadError:
+            tail = b"(cut)"
         live.close()
     return seen, failures, tail
 
@@ -218,10 +220,10 @@ async def test_health_while_the_engine_dies(engines: Engines,
         # /health: 200 until the death is noticed, then 503, then the port closes for good.
         assert seen[-1] == "refused" and seen[0] in ("200", "503"), seen
         assert seen in (["200", "503", "refused"], ["503", "refused"], ["200", "refused"])
-        assert all(orjson.loads(f) == orjson.loads(real[1][0] if real[1] else f)
-                   for f in failures)
+        assert len(set(failures)) <= 1  # one answer while dead: vLLM's EngineDeadError 500
         # The live stream ends with the engine's error event, then [DONE].
-        ends = events(tail[tail.index(b"data: {\"error\""):])
+        assert b'data: {"error"' in tail, (seen, tail)
+        ends = events(tail[tail.index(b'data: {"error"'):])
         assert ends[-1] == b"[DONE]" and orjson.loads(ends[-2])["error"]["code"] == 500
     if real[1] and simulated[1]:
         assert orjson.loads(simulated[1][0]) == orjson.loads(real[1][0])

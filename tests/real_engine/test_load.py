@@ -5,6 +5,8 @@ request in the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -25,6 +27,7 @@ LONG_STREAM = {"model": SERVED, "messages": [{"role": "user", "content": "x"}], 
                "max_tokens": 1000, "ignore_eos": True}
 QUEUE = 8  # REPLICA_ARGS: --max-num-queued-reqs 8 (running and waiting)
 REJECTED = "vllm:admission_rejections_total"
+RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"
 
 
 @pytest.fixture
@@ -34,44 +37,72 @@ async def gw(replicas: Engines, gateway: GatewayFactory) -> TestServer:
     return server
 
 
-async def fill(session: aiohttp.ClientSession, replica: Replica) -> list[aiohttp.ClientResponse]:
-    """Long streams straight to `replica` until its queue is full (it answers 503)."""
-    streams = []
-    for _ in range(QUEUE):
-        response = await session.post(replica.url + "/v1/chat/completions", json=LONG_STREAM)
-        assert response.status == 200
-        streams.append(response)
-    async with session.post(replica.url + "/v1/chat/completions", json={
-            "model": SERVED, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-    }) as refused:
-        assert refused.status == 503  # full: what the gateway will meet there
-        assert "Retry-After" not in refused.headers
-    return streams
+async def consume(response: aiohttp.ClientResponse, seen: list[bytes] | None = None) -> None:
+    """Read a stream as a live client does. (vLLM misses a client that stopped reading and
+    then left: it would generate to the end.)"""
+    async for line in response.content:
+        if seen is not None and line.startswith(b"data: {") and b'"content":"' in line:
+            seen.append(line)
+
+
+@contextlib.asynccontextmanager
+async def kept_full(replica: Replica) -> AsyncIterator[None]:
+    """`replica`'s queue kept full: QUEUE long non-streamed requests straight to it, each
+    sent again when it ends (a client that leaves one aborts it, as vLLM does)."""
+    body = {**LONG_STREAM, "stream": False}
+    stop = asyncio.Event()
+
+    async def keep(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with session.post(replica.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                if r.status == 503:  # a gateway request took the slot meanwhile
+                    await asyncio.sleep(0.05)
+
+    async with aiohttp.ClientSession() as session:
+        keepers = [asyncio.create_task(keep(session)) for _ in range(QUEUE)]
+        try:
+            await until([replica], "vllm:num_requests_waiting", QUEUE - 4)  # 4 run, 4 wait
+            async with session.post(replica.url + "/v1/chat/completions", json={
+                    "model": SERVED, "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 2}) as refused:
+                assert refused.status == 503  # full: what the gateway will meet there
+                assert "Retry-After" not in refused.headers
+            yield
+        finally:
+            stop.set()
+            for keeper in keepers:
+                keeper.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
 
 
 async def test_a_full_queue_is_retried_on_the_other_replica_and_is_not_a_failure(
     gw: TestServer, replicas: Engines
 ) -> None:
-    full, other = replicas[0], replicas[1]
-    async with aiohttp.ClientSession() as direct, aiohttp.ClientSession() as client:
-        streams = await fill(direct, full)
-        before = (await metrics(full))[REJECTED]
-        statuses = []
-        for i in range(16):  # about half are picked for the full replica first
-            async with client.post(gw.make_url(SERVED_CHAT), headers={
-                    "Authorization": f"Bearer {gw.api_key}"}, json={  # type: ignore[attr-defined]
-                    "model": SERVED, "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 4, "stream": i % 2 == 1}) as response:
-                await response.read()
-                statuses.append(response.status)
-        rejected = (await metrics(full))[REJECTED] - before
-        for stream in streams:
-            stream.close()
+    busy, other = replicas[0], replicas[1]
+    statuses: list[int] = []
+
+    async def client(stream: bool) -> None:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(4):
+                async with session.post(gw.make_url(SERVED_CHAT), headers={
+                        "Authorization": f"Bearer {gw.api_key}"}, json={  # type: ignore[attr-defined]
+                        "model": SERVED, "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 4, "stream": stream}) as response:
+                    await response.read()
+                    statuses.append(response.status)
+
+    async with kept_full(busy):
+        before = (await metrics(busy))[REJECTED]
+        # Four clients at once (the other replica runs four at a time): about half of the
+        # requests are picked for the full replica first.
+        await asyncio.gather(*(client(i % 2 == 1) for i in range(4)))
+        rejected = (await metrics(busy))[REJECTED] - before
     assert statuses == [200] * 16
     assert rejected >= 3  # it did meet the full queue, and no client saw it
     backends = {b.name: b for b in gw.app[ROUTER].backends}
     # Busy is not broken: the full replica was neither ejected nor counted as failing.
-    assert backends[full.name].healthy and backends[full.name].health.consecutive_failures == 0
+    assert backends[busy.name].healthy and backends[busy.name].health.consecutive_failures == 0
     assert backends[other.name].healthy
 
 
@@ -81,26 +112,30 @@ async def test_a_client_that_leaves_aborts_its_request_in_the_engine(
     gw = await gateway(*(backend(r) for r in replicas.replicas))
     key = await funded_key(clean_redis.url)
     await wait_idle(replicas.replicas)
-    loop = asyncio.get_running_loop()
+    generated = (await totals(replicas.replicas, GENERATED))[GENERATED]
+    seen: list[bytes] = []
     async with aiohttp.ClientSession() as client:
         response = await client.post(gw.make_url(SERVED_CHAT), json=LONG_STREAM,
                                      headers={"Authorization": f"Bearer {key}"})
         assert response.status == 200
-        content = 0
-        async for line in response.content:
-            if line.startswith(b"data: {") and b'"content":"' in line:
-                content += 1
-            if content >= 5:
-                break
-        running = await totals(replicas.replicas, "vllm:num_requests_running")
-        assert running == {"vllm:num_requests_running": 1.0}  # ~1000 tokens still to come
+        reader = asyncio.create_task(consume(response, seen))
+        await until(replicas.replicas, RUNNING, 1.0)  # generating: ~1000 tokens, a second or more
+        reader.cancel()
         response.close()  # the client goes away
-        left = loop.time()
-    while (await totals(replicas.replicas, "vllm:num_requests_running")
-           )["vllm:num_requests_running"]:
-        assert loop.time() - left < 2.0, "the engine is still generating for a client that left"
-        await asyncio.sleep(0.05)
+    await until(replicas.replicas, RUNNING, 0.0, within_s=1.0)  # the engine stopped at once
+    await asyncio.sleep(0.3)  # and generates nothing more for it
+    assert (await totals(replicas.replicas, GENERATED))[GENERATED] - generated < 900
     await settled(gw)
     [charge] = [e for e in await journal(clean_redis.url) if e["type"] == "charge"]
     assert charge["status"] == "client_gone" and charge["estimated"]
-    assert 5 <= charge["completion_tokens"] < 1000  # what was delivered, not the cap
+    assert charge["completion_tokens"] < 900  # what was delivered, not the cap
+
+
+async def until(replicas: list[Replica], name: str, value: float, within_s: float = 5.0
+                ) -> None:
+    """Wait until the replicas' `name` adds up to `value` (gauges follow engine steps)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while (seen := (await totals(replicas, name))[name]) != value:
+        assert loop.time() < deadline, f"{name} is {seen}, not {value}, after {within_s} s"
+        await asyncio.sleep(0.02)

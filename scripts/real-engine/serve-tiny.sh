@@ -7,8 +7,10 @@
 #   scripts/real-engine/serve-tiny.sh --prepare          # install + build only, then exit
 #
 # Env (defaults): SERVED_NAME=acme/tiny  MAX_MODEL_LEN=1024  HOST=127.0.0.1
-#   VLLM_CPU_OMP_THREADS_BIND: the core(s) its worker computes on (0, 1, "0-1"...). With two
-#   replicas on a 2-core box give each its own core; vLLM's default pins every replica to core 0.
+#   VLLM_CPU_OMP_THREADS_BIND: the core(s) it computes on (0, 1, "0-1"...). With two replicas on a
+#   2-core box give each its own core (vLLM's default pins every replica's worker to core 0).
+#   The whole server is then kept on those cores (taskset): while it generates, vLLM's
+#   EngineCore process spins beside its worker and would otherwise take a second core.
 # First run: ~2 min install + ~8 s model; then ~25-30 s to /health 200 (--enforce-eager: no
 # torch.compile warm-up, and the same speed for a model this small).
 #
@@ -40,6 +42,10 @@ if [ "$PORT" = --prepare ]; then
   exit 0
 fi
 
-exec "$VENV/bin/vllm" serve "$MODEL" --served-model-name "${SERVED_NAME:-acme/tiny}" \
+PIN=()
+if [[ "${VLLM_CPU_OMP_THREADS_BIND:-}" =~ ^[0-9][0-9,-]*$ ]] && command -v taskset >/dev/null; then
+  PIN=(taskset -c "$VLLM_CPU_OMP_THREADS_BIND")
+fi
+exec "${PIN[@]}" "$VENV/bin/vllm" serve "$MODEL" --served-model-name "${SERVED_NAME:-acme/tiny}" \
   --host "${HOST:-127.0.0.1}" --port "$PORT" --max-model-len "${MAX_MODEL_LEN:-1024}" \
   --enforce-eager "$@"

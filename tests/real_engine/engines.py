@@ -97,12 +97,11 @@ class Replica:
     def start(self) -> None:
         env = {**os.environ, "REAL_ENGINES_DIR": str(CACHE),
                "VLLM_CPU_OMP_THREADS_BIND": str(self.core)}
-        # The whole replica on its core: its EngineCore spins while its worker computes, so
-        # unbound, one busy replica would take both cores from the other and from the tests.
+        # serve-tiny.sh keeps the whole replica on its core: a busy vLLM's EngineCore spins
+        # beside its worker, and would take the other core from the other replica and the tests.
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                ["taskset", "-c", str(self.core), "bash", str(SCRIPTS / "serve-tiny.sh"),
-                 str(self.port), *REPLICA_ARGS],
+                ["bash", str(SCRIPTS / "serve-tiny.sh"), str(self.port), *REPLICA_ARGS],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._t0 = time.monotonic()
         self.starts += 1

@@ -17,10 +17,11 @@ from typing import NamedTuple
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from proxy.api import account, admin, models, ollama_discovery
-from proxy.api import openapi as docs
+from proxy.api import account, admin, models, ollama_discovery, openapi
+from proxy.api import route_docs as docs
 from proxy.appkeys import (
     ADMITTER,
     CONFIG,
@@ -31,6 +32,7 @@ from proxy.appkeys import (
     LIVE,
     OPENAPI,
     REDIS,
+    ROUTE_STYLES,
     ROUTER,
     SETTLER,
     UPSTREAMS,
@@ -48,6 +50,7 @@ from proxy.runtime.drain import Drain
 from proxy.runtime.fleet_state import fleet_key
 from proxy.runtime.redis_process import connect_redis, rate_limit_redis_url
 from proxy.styles.anthropic import AnthropicStyle
+from proxy.styles.base import ChatStyle
 from proxy.styles.ollama import OllamaStyle
 from proxy.styles.openai import OpenAIStyle
 from proxy.styles.served import ServedStyle
@@ -64,11 +67,8 @@ class Route(NamedTuple):
     method: str
     path: str
     handler: Handler
-    doc: docs.Doc
-
-
-async def openapi_document(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+    doc: openapi.Doc
+    style: ChatStyle | None = None  # whose shape its errors take (None: the gateway's own)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -77,12 +77,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: not draining, the state store answers, and a backend may take traffic."""
+    """Ready: not draining, the state store and the rate-limit store answer (one Redis or two),
+    and a backend may take traffic."""
     checks: dict[str, bool] = {"accepting": not request.app[DRAIN].draining}
-    try:
-        checks["redis"] = bool(await request.app[REDIS].ping())
-    except Exception:  # any failure to reach the store means not ready; its text is not public
-        checks["redis"] = False
+    checks["redis"], checks["rate_limit_redis"] = await asyncio.gather(
+        _answers(request.app[REDIS]), _answers(request.app[COUNTERS]))
     # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
     checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
     ready = all(checks.values())
@@ -90,27 +89,43 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
+async def _answers(redis: Redis) -> bool:
+    try:
+        return bool(await redis.ping())
+    except Exception:  # any failure to reach the store means not ready; its text is not public
+        return False
+
+
 _NATIVE = "/v2/native"  # where Ollama clients point `host`
-_native_chat = chat_route(OllamaStyle())
+_OPENAI, _SERVED = OpenAIStyle(), ServedStyle()
+_ANTHROPIC, _OLLAMA = AnthropicStyle(), OllamaStyle()
+_native_chat = chat_route(_OLLAMA)
 
 ROUTES: tuple[Route, ...] = (
     # The request path (proxy.pipeline): every chat style on the same pipeline.
-    Route("POST", "/v2/compat/v1/chat/completions", chat_route(OpenAIStyle()), docs.COMPAT_CHAT),
-    Route("POST", "/v2/served/v1/chat/completions", chat_route(ServedStyle()), docs.SERVED_CHAT),
-    Route("POST", "/v2/messages/v1/messages", chat_route(AnthropicStyle()), docs.MESSAGES_CHAT),
-    Route("POST", f"{_NATIVE}/api/chat", _native_chat, docs.NATIVE_CHAT),
-    Route("POST", "/api/native/chat", _native_chat, docs.NATIVE_CHAT),  # the spec's alias
+    Route("POST", "/v2/compat/v1/chat/completions", chat_route(_OPENAI), docs.COMPAT_CHAT,
+          _OPENAI),
+    Route("POST", "/v2/served/v1/chat/completions", chat_route(_SERVED), docs.SERVED_CHAT,
+          _SERVED),
+    Route("POST", "/v2/messages/v1/messages", chat_route(_ANTHROPIC), docs.MESSAGES_CHAT,
+          _ANTHROPIC),
+    Route("POST", f"{_NATIVE}/api/chat", _native_chat, docs.NATIVE_CHAT, _OLLAMA),
+    Route("POST", "/api/native/chat", _native_chat, docs.NATIVE_CHAT, _OLLAMA),  # spec's alias
     # Beside it.
     Route("GET", "/v2/models", models.list_models, docs.MODELS),
     Route("GET", "/v2/account", account.account, docs.ACCOUNT),
     Route("GET", "/v2/account/usage", account.usage, docs.ACCOUNT_USAGE),
-    Route("GET", f"{_NATIVE}/api/tags", ollama_discovery.tags, docs.OLLAMA_TAGS),
-    Route("POST", f"{_NATIVE}/api/show", ollama_discovery.show, docs.OLLAMA_SHOW),
-    Route("GET", f"{_NATIVE}/api/version", ollama_discovery.version, docs.OLLAMA_VERSION),
-    Route("GET", f"{_NATIVE}/api/ps", ollama_discovery.ps, docs.OLLAMA_PS),
-    Route("GET", f"{_NATIVE}/", ollama_discovery.root, docs.OLLAMA_ROOT),
-    Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT),
-    Route("GET", "/v2/openapi.json", openapi_document, docs.OPENAPI),
+    Route("GET", f"{_NATIVE}/api/tags", ollama_discovery.tags, docs.OLLAMA_TAGS,
+          _OLLAMA),
+    Route("POST", f"{_NATIVE}/api/show", ollama_discovery.show, docs.OLLAMA_SHOW,
+          _OLLAMA),
+    Route("GET", f"{_NATIVE}/api/version", ollama_discovery.version, docs.OLLAMA_VERSION,
+          _OLLAMA),
+    Route("GET", f"{_NATIVE}/api/ps", ollama_discovery.ps, docs.OLLAMA_PS,
+          _OLLAMA),
+    Route("GET", f"{_NATIVE}/", ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
+    Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
+    Route("GET", "/v2/openapi.json", openapi.document, docs.OPENAPI),
     Route("GET", "/healthz", healthz, docs.HEALTHZ),
     Route("GET", "/readyz", readyz, docs.READYZ),
     # Operators.
@@ -123,9 +138,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/admin/backends", admin.list_backends, docs.ADMIN_BACKENDS),
 )
 
-OPENAPI_DOCUMENT = docs.build_openapi(
-    ((r.method, r.path, r.doc) for r in ROUTES), title="Inference Gateway", version=API_VERSION
-)
+OPENAPI_DOCUMENT = openapi.build_openapi(
+    ((r.method, r.path, r.doc, r.style.error_family if r.style else "gateway") for r in ROUTES),
+    title="Inference Gateway", version=API_VERSION)
 
 
 def build_app(config: Config, *, redis_url: str) -> web.Application:
@@ -138,6 +153,7 @@ def build_app(config: Config, *, redis_url: str) -> web.Application:
     app[ROUTER] = Router(config.backends, config.health)
     app[OPENAPI] = orjson.dumps(OPENAPI_DOCUMENT)
     app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx, _health_ctx])
+    app[ROUTE_STYLES] = {r.handler: r.style for r in ROUTES if r.style is not None}
     for route in ROUTES:
         if route.method == "GET":
             app.router.add_get(route.path, route.handler)  # also answers HEAD

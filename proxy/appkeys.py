@@ -4,6 +4,7 @@ and for the values one request carries from step to step."""
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from redis.asyncio import Redis
 
 from proxy.config import Config
@@ -21,6 +22,7 @@ CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
 REDIS = web.AppKey("redis", Redis)
+# The rate-limit counters' server, for /readyz (the same client as REDIS when they share one).
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
 ADMITTER = web.AppKey("admitter", Admitter)
@@ -28,6 +30,8 @@ LEDGER = web.AppKey("ledger", Ledger)
 SETTLER = web.AppKey("settler", Settler)  # settlements queued, flushed in batches
 COUNTERS = web.AppKey("counters", Redis)  # the rate-limit counters' Redis (guests)
 OPENAPI = web.AppKey("openapi", bytes)
+# Each route's style, by handler: the middleware renders even its own refusals in it.
+ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")
 DRAIN = web.AppKey("drain", Drain)
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware

@@ -50,6 +50,24 @@ class GatewaySection(_Section, frozen=True):
     drain_timeout_s: Seconds = 30.0
 
 
+class ServerSection(_Section, frozen=True):
+    """Client connections: deadlines and a per-worker cap, so slow or silent sockets cannot pile
+    up (aiohttp alone keeps an idle connection an hour and puts no deadline on a request head)."""
+
+    # An idle kept-alive connection is closed this long after its last response.
+    keepalive_timeout_s: Seconds = 15.0
+    # A request head (request line and headers) must be complete this long after the connection
+    # opens, or after its first byte on a kept-alive connection; else 408 (or a silent close).
+    header_timeout_s: Seconds = 10.0
+    # A route reading a body must have all of it this long after it starts reading; else 408.
+    body_timeout_s: Seconds = 30.0
+    # A client that reads nothing of a response for this long is treated as gone.
+    write_timeout_s: Seconds = 30.0
+    # Open client connections per worker; the next ones get 503 and are closed. Lowered at start
+    # to stay under the worker's open-file limit.
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+
+
 class UpstreamSection(_Section, frozen=True):
     connect_timeout_s: Seconds = 5.0
     # Until the first byte of the body: covers queueing and prefill (and, for a non-streaming
@@ -107,6 +125,7 @@ class SupervisorSection(_Section, frozen=True):
 
 class BackendsFile(_Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
+    server: ServerSection = ServerSection()
     upstream: UpstreamSection = UpstreamSection()
     health: HealthSection = HealthSection()
     supervisor: SupervisorSection = SupervisorSection()
@@ -286,6 +305,7 @@ POLICY_FILES: dict[str, type[msgspec.Struct]] = {
 class Config(_Section, frozen=True):
     root: str
     gateway: GatewaySection
+    server: ServerSection
     upstream: UpstreamSection
     health: HealthSection
     supervisor: SupervisorSection
@@ -347,6 +367,7 @@ def load_config(folder: str | Path = ".") -> Config:
     return Config(
         root=str(root),
         gateway=backends.gateway,
+        server=backends.server,
         upstream=backends.upstream,
         health=backends.health,
         supervisor=backends.supervisor,

@@ -40,7 +40,6 @@ from proxy.appkeys import (
     RESPONSE_HEADERS,
     ROUTER,
     SETTLER,
-    STYLE,
     UPSTREAMS,
 )
 from proxy.config import TierPolicy
@@ -78,7 +77,6 @@ def chat_route(style: ChatStyle) -> Callable[[web.Request], Awaitable[web.Stream
 async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     """A chat request in any style, start to finish."""
     app = request.app
-    request[STYLE] = style
     snapshot = app[LIVE].current  # one policy version for the whole request
     config = app[CONFIG]
     principal = await snapshot.auth.principal(request.headers, request.remote)

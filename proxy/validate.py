@@ -14,7 +14,7 @@ import re
 import types
 from collections.abc import Callable
 from functools import cache
-from typing import Any, Final, Literal, TypeVar, get_args, get_origin
+from typing import Any, Final, Literal, TypeVar, cast, get_args, get_origin
 
 import msgspec
 from msgspec import inspect as mi
@@ -24,13 +24,17 @@ __all__ = [
     "ErrorItem",
     "Loc",
     "RequestInvalid",
+    "conform",
+    "conform_with",
     "schema_errors",
     "validate",
     "validate_with",
     "value_error",
+    "whole_numbers",
 ]
 
 T = TypeVar("T")
+B = TypeVar("B")  # a decoded JSON body
 Loc = tuple[str | int, ...]
 ErrorItem = dict[str, object]
 
@@ -49,19 +53,62 @@ class RequestInvalid(Exception):
 
 def validate(body: object, schema: type[T]) -> T:
     """Convert a decoded JSON body into `schema`, or raise RequestInvalid with every fault."""
+    return conform(body, schema)[0]
+
+
+def conform(body: B, schema: type[T]) -> tuple[T, B]:
+    """`validate`, and the body that passed: `body` itself, or (when it had 1.0 where an
+    integer is due) a copy with such numbers as ints, which is what to send on."""
     try:
-        return msgspec.convert(body, schema)
+        return msgspec.convert(body, schema), body
     except msgspec.ValidationError as exc:
-        raise RequestInvalid(_explain(body, schema, exc)) from None
+        error = exc
+    # JSON (and JSON Schema, which the OpenAPI document speaks) has one number 1 = 1.0; msgspec
+    # refuses 1.0 for an int. Only for bodies that fail, so the fast path stays one conversion.
+    whole = whole_numbers(body)
+    if whole is not body:
+        try:
+            return msgspec.convert(whole, schema), whole
+        except msgspec.ValidationError as exc:
+            error = exc
+    raise RequestInvalid(_explain(whole, schema, error)) from None
+
+
+def whole_numbers(value: B) -> B:
+    """`value` with every integral float (within 64 bits) as an int; `value` itself if none is.
+
+    Both ends exclusive: orjson reads a JSON integer beyond 64 bits as the nearest float, which
+    is ±2**63 itself for the first ones out of range, and those must stay refused."""
+    return cast(B, _whole(value))
+
+
+def _whole(value: object) -> object:
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and -(2**63) < value < 2**63 else value
+    if isinstance(value, dict):
+        items = {k: _whole(v) for k, v in value.items()}
+        changed = any(items[k] is not v for k, v in value.items())
+        return items if changed else value
+    if isinstance(value, list):
+        elements = [_whole(v) for v in value]
+        changed = any(new is not old for new, old in zip(elements, value, strict=True))
+        return elements if changed else value
+    return value
 
 
 def validate_with(body: object, schema: type[T], rules: Callable[[T], list[ErrorItem]]) -> T:
     """Schema first, then the usage rules (which need a well-typed request to run)."""
-    request = validate(body, schema)
+    return conform_with(body, schema, rules)[0]
+
+
+def conform_with(body: B, schema: type[T], rules: Callable[[T], list[ErrorItem]]
+                 ) -> tuple[T, B]:
+    """`validate_with`, and the body that passed (see `conform`)."""
+    request, passed = conform(body, schema)
     faults = rules(request)
     if faults:
         raise RequestInvalid(faults)
-    return request
+    return request, passed
 
 
 def value_error(loc: Loc, text: str) -> ErrorItem:
@@ -187,7 +234,7 @@ def _check(t: mi.Type, v: object, loc: Loc, out: _Errors) -> None:
         elif isinstance(v, float):
             if not math.isfinite(v):
                 out.add(loc, "finite_number", "Input should be a finite number")
-            elif v.is_integer():  # msgspec is strict: 1.0 is not an integer
+            elif v.is_integer():  # beyond 64 bits (validate() took the others as integers)
                 out.add(loc, "int_type", "Input should be a valid integer")
             else:
                 out.add(loc, "int_from_float",

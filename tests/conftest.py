@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from aiohttp.web_runner import BaseRunner
 from redis.asyncio import Redis
 
 from proxy.app import build_app
 from proxy.appkeys import SETTLER
 from proxy.config import KeysPolicy, load_config
 from proxy.credits.ledger import Ledger
+from proxy.http.server import GatewayRunner
 from proxy.identity.keystore import KeyStore
 from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
@@ -95,10 +97,13 @@ def write_config(
     *,
     upstream: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
+    server: dict[str, Any] | None = None,
     policies: dict[str, str] | None = None,
 ) -> Path:
     """A config folder as an operator writes it: backends.toml plus policies/*.toml."""
     lines = ["[gateway]"] + [f"{k} = {toml_value(v)}" for k, v in (gateway or {}).items()]
+    if server:
+        lines += ["", "[server]"] + [f"{k} = {toml_value(v)}" for k, v in server.items()]
     lines += ["", "[upstream]"] + [f"{k} = {toml_value(v)}" for k, v in (upstream or {}).items()]
     for backend in backends:
         lines += ["", "[[backends]]"] + [f"{k} = {toml_value(v)}" for k, v in backend.items()]
@@ -112,6 +117,14 @@ def write_config(
 
 SimulatorFactory = Callable[..., Awaitable[TestServer]]
 GatewayFactory = Callable[..., Awaitable[TestServer]]
+
+
+class GatewayTestServer(TestServer):
+    """aiohttp's TestServer on the runner `serve` uses: the same [server] deadlines, connection
+    cap and JSON refusals as a worker."""
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        return GatewayRunner(self.app, **kwargs)
 
 
 @pytest.fixture
@@ -140,18 +153,19 @@ async def clean_redis(redis_server: RedisProcess) -> RedisProcess:
 
 
 @pytest.fixture
-async def gateway(
-    aiohttp_server: Any, tmp_path: Path, clean_redis: RedisProcess
-) -> AsyncIterator[GatewayFactory]:
-    """Start a gateway whose backends.toml lists the given upstream servers.
+async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[GatewayFactory]:
+    """Start a gateway whose backends.toml lists the given upstream servers (`server` fills
+    its [server] section).
 
     The server gets an `api_key` attribute: a max-tier key for clients that need one.
     """
     redis_server = clean_redis
+    servers: list[TestServer] = []
 
     async def start(*upstreams: TestServer | dict[str, Any], kind: str = "vllm",
                     models: tuple[str, ...] = (MODEL,),
                     upstream: dict[str, Any] | None = None,
+                    server: dict[str, Any] | None = None,
                     policies: dict[str, str] | None = None) -> TestServer:
         backends = []
         for i, up in enumerate(upstreams):
@@ -163,14 +177,21 @@ async def gateway(
                 "models": list(models), "forward_headers": ["x-sim-*"],
             })
         policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
-        folder = write_config(tmp_path / "config", backends, upstream=upstream, policies=policies)
+        folder = write_config(tmp_path / "config", backends, upstream=upstream, server=server,
+                              policies=policies)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url)
-        server: TestServer = await aiohttp_server(app)  # handler_cancellation is on, as in serve
-        server.api_key = await new_key(redis_server.url)  # type: ignore[attr-defined]
-        return server
+        gw = GatewayTestServer(app)
+        await gw.start_server()  # handler_cancellation is on, as in serve
+        servers.append(gw)
+        gw.api_key = await new_key(redis_server.url)  # type: ignore[attr-defined]
+        return gw
 
-    yield start
-    await assert_ledger_reconciles(redis_server.url)
+    try:
+        yield start
+        await assert_ledger_reconciles(redis_server.url)
+    finally:
+        for gw in reversed(servers):
+            await gw.close()
 
 
 async def settled(server: TestServer) -> None:

@@ -102,3 +102,22 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["check-config", "--config", str(bad)]) == 1
     assert "config error: backends.toml: surprise: Extra inputs are not permitted" in (
         capsys.readouterr().err)
+
+
+def test_server_section_defaults_and_strictness(tmp_path: Path) -> None:
+    server = load_config(write(tmp_path / "defaults", MINIMAL)).server
+    assert (server.keepalive_timeout_s, server.header_timeout_s, server.body_timeout_s,
+            server.write_timeout_s, server.max_connections) == (15.0, 10.0, 30.0, 30.0, 4096)
+
+    tuned = MINIMAL + "\n[server]\nheader_timeout_s = 2.5\nmax_connections = 100\n"
+    server = load_config(write(tmp_path / "tuned", tuned)).server
+    assert (server.header_timeout_s, server.max_connections) == (2.5, 100)
+
+    bad = MINIMAL + ("\n[server]\nkeepalive_s = 5\nheader_timeout_s = 0\n"
+                     "max_connections = 'many'\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path / "bad", bad))
+    text = "\n".join(caught.value.problems)
+    assert "backends.toml: server.keepalive_s: Extra inputs are not permitted" in text
+    assert "backends.toml: server.header_timeout_s: Input should be greater than 0" in text
+    assert "backends.toml: server.max_connections: Input should be a valid integer" in text

@@ -48,7 +48,8 @@ async def test_body_over_cap_is_413_declared_or_chunked(setup: Any) -> None:
             yield b" " * 512  # no Content-Length: counted as it arrives
 
     async with aiohttp.ClientSession() as session, session.post(
-        gw.make_url(CHAT), data=chunks()) as response:
+        gw.make_url(CHAT), data=chunks(),
+        headers={"Content-Type": "application/json"}) as response:
         assert response.status == 413
     assert await sim_requests(sim) == []
 

@@ -8,6 +8,7 @@ rate limit like any request (they read the store, so they must not be free to ha
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from typing import Any
@@ -23,7 +24,9 @@ from proxy.identity.principal import Principal
 from proxy.policy.tiers import tier_of
 
 PAGE_MAX = 200
-_STREAM_ID_CHARS = frozenset("0123456789-")
+ENTRY_ID_PATTERN = r"([0-9]{1,20})-([0-9]{1,20})"  # a journal (Redis Stream) entry id
+_ENTRY_ID = re.compile(ENTRY_ID_PATTERN)
+_UJSON_INT_MAX = 2**64 - 1
 _FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost")
 
 
@@ -67,17 +70,14 @@ async def account(request: web.Request) -> web.Response:
 async def usage(request: web.Request) -> web.Response:
     """Totals and breakdowns, then the journal newest first, a page at a time."""
     principal = await _caller(request)
-    try:
-        limit = min(PAGE_MAX, max(1, int(request.query.get("limit", "50"))))
-    except ValueError:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, "limit must be a whole number") from None
-    before = request.query.get("before") or None
-    if before is not None and (len(before) > 41 or not set(before) <= _STREAM_ID_CHARS):
-        raise GatewayError(ErrorKind.INVALID_REQUEST, "before must be a `next_before` value")
+    limit = _page_size(request.query.get("limit", "50"))
+    before = _entry_id(request.query.get("before") or None)
     ledger = request.app[LEDGER]
     try:
         totals = await ledger.usage_totals(principal.account)
-        page = await ledger.entries(principal.account, before=before, count=limit)
+        # Nothing precedes the smallest id (and Redis refuses an exclusive range below it).
+        page = [] if before == "0-0" else \
+            await ledger.entries(principal.account, before=before, count=limit)
     except RedisError:
         raise store_unavailable("account store") from None
     return _json({
@@ -86,6 +86,32 @@ async def usage(request: web.Request) -> web.Response:
         "entries": [{"id": entry_id, **fields} for entry_id, fields in page],
         "next_before": page[-1][0] if len(page) == limit else None,
     })
+
+
+def _entry_id(text: str | None) -> str | None:
+    """A journal (Redis Stream) entry id, checked here: Redis refuses a malformed one, and that
+    is the caller's fault, not an outage of the store."""
+    if text is None:
+        return None
+    match = _ENTRY_ID.fullmatch(text)
+    if match is None:
+        raise GatewayError(ErrorKind.INVALID_REQUEST,
+                           "before must be the next_before of a previous page")
+    ms, seq = int(match[1]), int(match[2])
+    if ms > _UJSON_INT_MAX:  # later than any id Redis can hold: every entry precedes it
+        return None
+    return f"{ms}-{min(seq, _UJSON_INT_MAX)}"
+
+
+def _page_size(text: str) -> int:
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= PAGE_MAX:
+        raise GatewayError(ErrorKind.INVALID_REQUEST,
+                           f"limit must be a whole number from 1 to {PAGE_MAX}")
+    return limit
 
 
 def summarize(totals: dict[str, int]) -> dict[str, Any]:

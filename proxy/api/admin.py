@@ -22,19 +22,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import time
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 import orjson
 from aiohttp import web
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
-from proxy.http.body import parse_json_object, read_capped
+from proxy.http.body import read_json
 from proxy.identity import apikeys
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
@@ -47,6 +48,8 @@ __all__ = ["ADMIN_TOKEN_ENV", "CreateKeyBody", "CreditBody", "admin_token_matche
 
 ADMIN_TOKEN_ENV = "GATEWAY_ADMIN_TOKEN"
 _BODY_CAP = 64 * 1024  # admin bodies are tiny
+_ACCOUNT_RE = re.compile(ACCOUNT_PATTERN)
+CREDITS_PATTERN = r"^-?[0-9]{1,9}(\.[0-9]{1,6})?$"
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -59,7 +62,11 @@ class CreateKeyBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CreditBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    amount: str  # credits as a decimal string ("12.5"), never a float
+    # Credits as a decimal string, never a float; bounded so that the ledger's Lua arithmetic
+    # (doubles) stays exact.
+    amount: Annotated[str, msgspec.Meta(
+        pattern=CREDITS_PATTERN,
+        description="Credits, e.g. \"12.5\" (negative: an adjustment); at most 6 decimals")]
     reason: str = "top-up"  # kept to its first 200 characters
 
 
@@ -93,7 +100,7 @@ async def require_admin(request: web.Request) -> None:
 
 async def create_key(request: web.Request) -> web.Response:
     await require_admin(request)
-    spec = _body(await _json_object(request), CreateKeyBody)
+    spec = _body(await read_json(request, _BODY_CAP), CreateKeyBody)
     tiers = set(request.app[LIVE].current.policies.tiers.tiers) - {GUEST_TIER}
     if spec.tier not in tiers:
         names = ", ".join(repr(t) for t in sorted(tiers))
@@ -132,20 +139,28 @@ async def show_account(request: web.Request) -> web.Response:
 async def add_credits(request: web.Request) -> web.Response:
     """A top-up, or a negative adjustment; journaled like any charge."""
     await require_admin(request)
-    spec = _body(await _json_object(request), CreditBody)
+    spec = _body(await read_json(request, _BODY_CAP), CreditBody)
     try:
         micro = parse_credits(spec.amount)
     except ValueError as exc:
         raise validation_failed([{"loc": ["body", "amount"], "msg": str(exc),
                                   "type": "value_error"}]) from None
     account_id = request.match_info["account"]
+    if not _ACCOUNT_RE.fullmatch(account_id):  # as keys create requires
+        raise validation_failed([{"loc": ["path", "account"],
+                                  "msg": f"String should match pattern '{ACCOUNT_PATTERN}'",
+                                  "type": "string_pattern_mismatch"}])
     try:
         available = await request.app[LEDGER].credit(
             account_id, micro, {"reason": spec.reason[:200], "actor": "admin-api",
                                 "ts": int(time.time())})
-    except InsufficientCredits:
-        raise GatewayError(ErrorKind.INVALID_REQUEST,
+    except InsufficientCredits:  # the request is fine; the balance it meets is not
+        raise GatewayError(ErrorKind.CONFLICT,
                            "the adjustment would take the balance below zero") from None
+    except ResponseError:  # Redis refused the arithmetic: a balance beyond what it holds
+        raise GatewayError(ErrorKind.CONFLICT, "the balance cannot grow that large") from None
+    except RedisError:
+        raise store_unavailable("credit store") from None
     return _json({"account": account_id, "added": _money(micro),
                   "available": _money(available)}, status=201)
 
@@ -211,10 +226,6 @@ def _body(body: dict[str, Any], schema: type[S]) -> S:
         return validate(body, schema)
     except RequestInvalid as exc:
         raise validation_failed(exc.detail) from None
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    return parse_json_object(await read_capped(request, _BODY_CAP))
 
 
 def _money(micro: int) -> dict[str, Any]:

@@ -21,10 +21,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.appkeys import LIVE, ROUTER, STYLE
+from proxy.appkeys import LIVE, ROUTER
 from proxy.errors import ErrorKind, GatewayError, validation_failed
-from proxy.http.body import parse_json_object, read_capped
-from proxy.styles.ollama import OllamaStyle
+from proxy.http.body import read_json
 from proxy.upstream.pool import Backend
 from proxy.validate import RequestInvalid, validate
 
@@ -32,7 +31,6 @@ from proxy.validate import RequestInvalid, validate
 OLLAMA_VERSION = "0.12.0"
 SHOW_MAX_BYTES = 16 * 1024
 _PARAMETER_SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
-_STYLE = OllamaStyle()
 
 
 class ShowRequest(msgspec.Struct, kw_only=True):
@@ -55,7 +53,7 @@ async def tags(request: web.Request) -> web.Response:
 
 async def show(request: web.Request) -> web.Response:
     await _authenticate(request)
-    body = parse_json_object(await read_capped(request, SHOW_MAX_BYTES))
+    body = await read_json(request, SHOW_MAX_BYTES)
     try:
         wanted = validate(body, ShowRequest)
     except RequestInvalid as exc:
@@ -90,8 +88,8 @@ async def root(request: web.Request) -> web.Response:
 
 
 async def _authenticate(request: web.Request) -> None:
-    """Errors in Ollama's shape; a credential that is present must be valid."""
-    request[STYLE] = _STYLE
+    """A credential that is present must be valid (the route table gives errors Ollama's
+    shape)."""
     await request.app[LIVE].current.auth.principal(request.headers, request.remote)
 
 

@@ -1,27 +1,38 @@
 """The OpenAPI 3.1.0 document (spec: Versioning), generated from the request Structs.
 
 The request schemas here are the very types the validator converts bodies into, so the published
-bounds and the 422s the gateway sends cannot disagree. Every route in the app's route table
-carries a `Doc`, and the document is rendered from that table (`proxy.app.ROUTES`), so a route
-cannot exist undescribed.
+bounds and the 422s the gateway sends cannot disagree; the cross-field usage rules, which msgspec
+types cannot carry, are stated next to the Python rules as each Struct's `json_schema_rules` and
+merged into its component here. Every route in the app's route table carries a `Doc`, and the
+document is rendered from that table (`proxy.app.ROUTES`), so a route cannot exist undescribed.
+
+Errors are described per family of routes, as each style renders them (`error_body` in
+proxy/styles/): the gateway's `{detail, error}` shape, Anthropic's `{type: "error", error}` on
+the Messages route and Ollama's `{error}` on the native routes.
+
+What depends on the running deployment (the tiers a key may be issued for, the models served) is
+filled in when the document is served (`document`), so it is true after a policy reload too.
 """
 
+from __future__ import annotations
+
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Annotated, Any, Final
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
+import orjson
+from aiohttp import web
 from msgspec import Meta
+from msgspec import inspect as mi
 
-from proxy.api.admin import CreateKeyBody, CreditBody
-from proxy.api.ollama_discovery import ShowRequest
-from proxy.styles.anthropic_schema import MessagesRequest
-from proxy.styles.ollama_schema import OllamaChatRequest
-from proxy.styles.openai_schema import AsyncAccepted, ChatRequest, ChatResponse
-from proxy.styles.served_schema import ServedChatRequest
+from proxy import appkeys
+from proxy.identity.auth import GUEST_TIER
+from proxy.styles.base import ErrorFamily
 
-__all__ = ["ADMIN", "API_KEY", "BEARER", "Doc", "ResponseSpec", "build_openapi"]
+__all__ = ["ADMIN", "API_KEY", "BEARER", "Doc", "Param", "Response", "build_openapi", "document"]
 
 JSON: Final = "application/json"
 SSE: Final = "text/event-stream"
@@ -31,17 +42,44 @@ API_KEY: Final = "ApiKeyHeader"
 BEARER: Final = "BearerAuth"
 ADMIN: Final = "AdminBearer"
 _REF_TEMPLATE: Final = "#/components/schemas/{name}"
-
-# (description, body type or None, content type(s)). The body type is any msgspec-describable
-# type (a Struct, or e.g. list[str]); it is rendered for JSON content types only.
-ResponseSpec = tuple[str, object, str | tuple[str, ...]]
+_PATH_PARAM: Final = re.compile(r"\{([^}/]+)\}")
+JSONObject = dict[str, Any]
+EXAMPLE_MODEL: Final = "acme/small-chat"  # replaced by a served model when the document is served
+Family = ErrorFamily
 
 
 @dataclass(frozen=True)
-class Query:
+class Param:
+    """A query, header or path parameter."""
+
     name: str
     schema: Mapping[str, Any]
     description: str = ""
+    required: bool = False
+
+
+Where = Literal["query", "header", "path"]
+Params = tuple[tuple[Where, Param], ...]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A response header."""
+
+    description: str
+    schema: Mapping[str, Any] = field(default_factory=lambda: {"type": "string"})
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Response:
+    description: str
+    body: object = None  # any msgspec-describable type; rendered for JSON content types only
+    content: str | tuple[str, ...] = JSON
+    headers: Mapping[str, Header] = field(default_factory=dict)
+    links: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    event: Mapping[str, Any] | None = None  # a stream's schema: one event (SSE), as 3.1 says it
+    or_body: object = None  # a second shape the same status may have (anyOf)
 
 
 @dataclass(frozen=True)
@@ -49,13 +87,15 @@ class Doc:
     """What the OpenAPI document says of one route (its method and path come from the table)."""
 
     summary: str
-    responses: Mapping[int, ResponseSpec]
+    responses: Mapping[int, Response]
     request: object = None  # request body type, None for no body
+    example: JSONObject | None = None  # a request body that works
     tags: tuple[str, ...] = ()
     security: tuple[str, ...] = (API_KEY, BEARER)
     auth_optional: bool = True  # spec: callers without a key are guests
     description: str = ""
-    query: tuple[Query, ...] = ()
+    params: Params = ()
+    drains: bool = True  # refused (503) while the gateway drains; health probes are not
 
 
 _SECURITY_SCHEMES: Final[dict[str, Any]] = {
@@ -67,213 +107,174 @@ _SECURITY_SCHEMES: Final[dict[str, Any]] = {
             "description": "`Authorization: Bearer <GATEWAY_ADMIN_TOKEN>` or an admin-role JWT"},
 }
 
-# DESIGN §6: statuses whose responses carry Retry-After.
-_RETRY_AFTER: Final = frozenset({429, 503})
-_PATH_PARAM: Final = re.compile(r"\{([^}/]+)\}")
+# ---- headers ---------------------------------------------------------------------------------
+
+_SECONDS: Final = {"type": "integer", "minimum": 0}
+REQUEST_ID: Final = Header("This request's id: the client's X-Request-Id if it was usable, "
+                           "else a new one", required=True)
+RETRY_AFTER: Final = Header("Seconds until a retry may succeed", _SECONDS, required=True)
+RATE_LIMIT: Final[Mapping[str, Header]] = {
+    "X-RateLimit-Limit": Header("Requests per minute of the caller's tier", _SECONDS),
+    "X-RateLimit-Remaining": Header("Requests left in the current window", _SECONDS),
+    "X-RateLimit-Reset": Header("Seconds until the window frees a slot", _SECONDS),
+}
+TASK_ID: Final = Header("`direct:<uuid>` or `network:<uuid>` (not on an idempotent replay)")
+REPLAYED: Final = Header("`true` when this is the stored answer to an earlier request with the "
+                         "same Idempotency-Key (nothing ran, nothing was charged)",
+                         {"const": "true"})
 
 
 # ---- error bodies, one shape per family of routes ---------------------------------------------
 
 
-class ErrorInfo(msgspec.Struct, kw_only=True):
-    type: Annotated[str, Meta(description="Machine-readable error class, e.g. rate_limited")]
+class _Exact(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An error body is exactly this (additionalProperties: false): the families differ only
+    in their fields."""
+
+
+class ErrorInfo(_Exact):
+    type: Annotated[str, Meta(description="Machine-readable error class (DESIGN §6 on gateway "
+                                          "routes, Anthropic's error types on Messages)")]
     message: str
 
 
-class ValidationErrorItem(msgspec.Struct, kw_only=True):
-    loc: Annotated[list[str | int], Meta(description="Path of the fault, starting at 'body'")]
+class ValidationErrorItem(_Exact):
+    loc: Annotated[list[str | int], Meta(description="Path of the fault, starting at 'body' "
+                                                     "(or 'header', 'path')")]
     msg: str
     type: str
 
 
-class ValidationErrorBody(msgspec.Struct, kw_only=True):
+class ValidationErrorBody(_Exact):
     detail: list[ValidationErrorItem]
     error: ErrorInfo
 
 
-class ErrorBody(msgspec.Struct, kw_only=True):
+class ErrorBody(_Exact):
     detail: str
     error: ErrorInfo
 
 
-def _error(description: str) -> ResponseSpec:
-    return (description, ErrorBody, JSON)
+class AnthropicErrorBody(_Exact):
+    type: Literal["error"]
+    error: ErrorInfo
+    detail: Annotated[str, Meta(description="The message again, for FastAPI-style clients")]
 
 
-# DESIGN §6 error table; every route shares it and adds or drops statuses as it needs.
-ERROR_RESPONSES: Final[Mapping[int, ResponseSpec]] = {
-    400: _error("invalid_json: the body is not JSON or not an object"),
-    401: _error("invalid_api_key: key or token malformed, unknown, revoked or expired"),
-    402: _error("insufficient_credits: the worst-case cost exceeds the available balance"),
-    403: _error("forbidden: the tier may not use this model, mode or task family"),
-    404: _error("not_found: unknown model or route"),
-    413: _error("payload_too_large: body over the route's cap"),
-    422: ("validation_error: schema or usage-rule failure", ValidationErrorBody, JSON),
-    429: _error("rate_limited: tier rate exceeded"),
-    502: _error("upstream_error: the upstream failed or sent something unusable"),
-    503: _error("unavailable: no healthy backend, all saturated, or the state store is down"),
-    504: _error("upstream_timeout: the upstream did not answer in time"),
+class AnthropicValidationErrorBody(_Exact):
+    type: Literal["error"]
+    error: ErrorInfo
+    detail: list[ValidationErrorItem]
+
+
+class OllamaErrorBody(_Exact):
+    error: str
+
+
+class OllamaValidationErrorBody(_Exact):
+    error: str
+    detail: list[ValidationErrorItem]
+
+
+_BODIES: Final[Mapping[Family, tuple[type, type]]] = {  # (other errors, 422 with its list)
+    "gateway": (ErrorBody, ValidationErrorBody),
+    "anthropic": (AnthropicErrorBody, AnthropicValidationErrorBody),
+    "ollama": (OllamaErrorBody, OllamaValidationErrorBody),
+}
+
+# DESIGN §6; every route picks the statuses it can answer (a `when` may say it more exactly).
+_WHEN: Final[Mapping[int, str]] = {
+    400: "The body is not JSON or not a JSON object (invalid_json)",
+    401: "Key or token malformed, unknown, revoked or expired (invalid_api_key)",
+    402: "The worst-case cost exceeds the available balance (insufficient_credits)",
+    403: "The tier may not use this model, mode or task family (forbidden)",
+    404: "Unknown model, or network mode, which no model offers yet (not_found)",
+    409: "A request with the same Idempotency-Key is still running (conflict)",
+    413: "The body is over the route's cap (payload_too_large)",
+    415: "The body is not sent as application/json (unsupported_media_type)",
+    422: "Schema or usage-rule failure (validation_error), every fault listed",
+    429: "The tier's rate is exceeded (rate_limited)",
+    501: "`async: true`: async chat tasks are not available yet (not_implemented)",
+    502: "The upstream failed or sent something unusable (upstream_error)",
+    503: "No healthy backend, all saturated, or the state store is down (unavailable)",
+    504: "The upstream did not answer in time (upstream_timeout)",
+}
+_TYPE_NAME: Final = re.compile(r" \([a-z_]+\)")
+_HEADERS_BY_STATUS: Final[Mapping[int, Mapping[str, Header]]] = {
+    429: {"Retry-After": RETRY_AFTER, **RATE_LIMIT},
+    503: {"Retry-After": RETRY_AFTER},
 }
 
 
-def _errors(*statuses: int) -> dict[int, ResponseSpec]:
-    return {status: ERROR_RESPONSES[status] for status in statuses}
+def error(family: Family, status: int, when: str | None = None, *, body: type | None = None,
+          headers: Mapping[str, Header] | None = None) -> Response:
+    plain, listed = _BODIES[family]
+    chosen = body or (listed if status == 422 else plain)
+    text = when or _WHEN[status]
+    if family != "gateway":  # the gateway's `error.type` names do not apply there
+        text = _TYPE_NAME.sub("", text)
+    return Response(text, chosen, JSON,
+                    headers if headers is not None else _HEADERS_BY_STATUS.get(status, {}))
 
 
-COMPAT_CHAT: Final = Doc(
-    summary="Chat completion (OpenAI-compatible)",
-    description="With `stream: true` (direct mode only, not with `async`) the answer is a "
-                "Server-Sent Events stream of `data: <json chunk>` lines ending with "
-                "`data: [DONE]`. With `async: true` a task handle is returned (202).",
-    request=ChatRequest,
-    responses={
-        200: ("Chat completion; an SSE stream when `stream` is true", ChatResponse, (JSON, SSE)),
-        202: ("Async task accepted (`async: true`)", AsyncAccepted, JSON),
-        **ERROR_RESPONSES,
-    },
-    tags=("chat",),
-)
-SERVED_CHAT: Final = Doc(
-    summary="Chat completion, vLLM style (OpenAI fields plus vLLM's extensions)",
-    description="The compat request plus vLLM's sampling, template and structured-output "
-                "fields; they reach vLLM backends only. Streams as the compat route does.",
-    request=ServedChatRequest,
-    responses={200: ("Chat completion, or an SSE stream", ChatResponse, (JSON, SSE)),
-               **ERROR_RESPONSES},
-    tags=("chat",),
-)
-MESSAGES_CHAT: Final = Doc(
-    summary="Chat, Anthropic Messages style",
-    description="Anthropic's Messages API (`x-api-key`, `anthropic-version` accepted); "
-                "streams the full named-event sequence. Errors use Anthropic's shape.",
-    request=MessagesRequest,
-    responses={200: ("A message, or an SSE stream of named events", None, (JSON, SSE)),
-               **ERROR_RESPONSES},
-    tags=("chat",),
-)
-NATIVE_CHAT: Final = Doc(
-    summary="Chat, Ollama style (also at /api/native/chat)",
-    description="Ollama's /api/chat: NDJSON streaming on by default, the final line with "
-                "`done`, `done_reason`, counts and durations in nanoseconds.",
-    request=OllamaChatRequest,
-    responses={200: ("One object, or an NDJSON stream", None, (JSON, NDJSON)),
-               **ERROR_RESPONSES},
-    tags=("chat",),
-)
-MODELS: Final = Doc(
-    summary="List current models",
-    description="What the gateway serves, OpenAI list style, with each model's modes, task "
-                "family, the tiers that may use it, its price and whether it is healthy.",
-    responses={200: ("Model list", None, JSON), **_errors(401)},
-    tags=("models",),
-)
-ACCOUNT: Final = Doc(
-    summary="Your tier, balance and rate limit left",
-    responses={200: ("Account", None, JSON), **_errors(401, 503)},
-    tags=("account",), auth_optional=False,
-)
-ACCOUNT_USAGE: Final = Doc(
-    summary="Usage: totals, per model, per day, and the journal (paginated)",
-    description="Query: `limit` (1-200), `before` (the `next_before` of the previous page).",
-    responses={200: ("Usage", None, JSON), **_errors(400, 401, 503)},
-    tags=("account",), auth_optional=False,
-    query=(Query("limit", {"type": "integer", "minimum": 1, "maximum": 200}, "page size"),
-           Query("before", {"type": "string"}, "the `next_before` of the previous page")),
-)
-OPENAPI: Final = Doc(
-    summary="This document", responses={200: ("OpenAPI 3.1.0", None, JSON)},
-    tags=("meta",), security=(),
-)
-HEALTHZ: Final = Doc(
-    summary="Alive: the process answers", responses={200: ("Alive", None, JSON)},
-    tags=("meta",), security=(),
-)
-READYZ: Final = Doc(
-    summary="Ready: not draining, Redis answers, a backend may take traffic",
-    responses={200: ("Ready", None, JSON), 503: ("Not ready", None, JSON)},
-    tags=("meta",), security=(),
-)
+def errors(family: Family, *statuses: int) -> dict[int, Response]:
+    return {status: error(family, status) for status in statuses}
 
 
-def _admin(summary: str, request: object = None, ok: int = 200, *errors: int,
-           query: tuple[Query, ...] = ()) -> Doc:
-    return Doc(summary=summary, request=request,
-               responses={ok: ("OK", None, JSON), **_errors(401, *errors)},
-               tags=("admin",), security=(ADMIN,), auth_optional=False, query=query)
-
-
-ADMIN_CREATE_KEY: Final = _admin("Issue an API key (shown once)", CreateKeyBody, 201, 400, 413,
-                                 422)
-ADMIN_LIST_KEYS: Final = _admin("List keys (never the keys themselves)",
-                                query=(Query("account", {"type": "string"}, "one account"),))
-ADMIN_REVOKE_KEY: Final = _admin("Revoke a key by id, everywhere at once", None, 200, 404)
-ADMIN_ACCOUNT: Final = _admin("An account and its keys", None, 200, 404)
-ADMIN_CREDITS: Final = _admin("Add credits (negative: an adjustment), journaled", CreditBody,
-                              201, 400, 413, 422)
-ADMIN_RELOAD: Final = _admin("Reload policies/ (as SIGHUP does)", None, 200, 422)
-ADMIN_BACKENDS: Final = _admin("Backends: state, health and load as this worker sees them")
-
-
-def _ollama(summary: str, request: object = None, ok: tuple[str, ...] = (JSON,), *errors: int
-            ) -> Doc:
-    return Doc(summary=summary, request=request,
-               responses={200: ("OK", None, ok if len(ok) > 1 else ok[0]), **_errors(401, *errors)},
-               tags=("ollama",))
-
-
-OLLAMA_TAGS: Final = _ollama("Ollama: the chat models served")
-OLLAMA_SHOW: Final = _ollama("Ollama: one model's details", ShowRequest, (JSON,), 400, 404, 413,
-                             422)
-OLLAMA_VERSION: Final = _ollama("Ollama: the API level these answers mirror")
-OLLAMA_PS: Final = _ollama("Ollama: loaded models (none: models stay loaded)")
-OLLAMA_ROOT: Final = _ollama("Ollama: \"Ollama is running\"", None, (TEXT,))
+# ---- rendering -------------------------------------------------------------------------------
 
 
 def _is_json(content_type: str) -> bool:
     return content_type == JSON or content_type.endswith("+json")
 
 
-def _operation_id(method: str, path: str) -> str:
+def operation_id(method: str, path: str) -> str:
     slash = "_slash" if path.endswith("/") else ""  # /v2/native and /v2/native/ are two routes
     return re.sub(r"[^A-Za-z0-9]+", "_", f"{method} {path}").strip("_").lower() + slash
 
 
-def build_openapi(routes: Iterable[tuple[str, str, Doc]], *, title: str, version: str
+def build_openapi(routes: Iterable[tuple[str, str, Doc, Family]], *, title: str, version: str
                   ) -> dict[str, Any]:
-    """Render `(method, path, doc)` routes as an OpenAPI 3.1.0 document (a JSON-ready dict)."""
-    routes = list(routes)
+    """Render `(method, path, doc, error family)` routes as an OpenAPI 3.1.0 document (a
+    JSON-ready dict)."""
+    table = list(routes)
+    answers = [_answers(doc, family) for _, _, doc, family in table]
+    ops = [(method, path, doc) for method, path, doc, _ in table]
     # All types go through one schema_components call so shared Structs become one component.
     types: list[object] = []
-    for _, _, doc in routes:
+    for (_, _, doc), responses in zip(ops, answers, strict=True):
         if doc.request is not None:
             types.append(doc.request)
-        types.extend(body for _, body, _ in doc.responses.values() if body is not None)
+        types.extend(b for r in responses.values() for b in (r.body, r.or_body) if b is not None)
     unique = list(dict.fromkeys(types))
     schemas, components = msgspec.json.schema_components(unique, ref_template=_REF_TEMPLATE)
     schema_of = dict(zip(unique, schemas, strict=True))
+    for struct in _structs(unique):
+        rules = getattr(struct, "json_schema_rules", None)
+        if rules is not None:
+            _merge_rules(components[struct.__name__], rules)
 
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, doc in routes:
+    for (method, path, doc), responses in zip(ops, answers, strict=True):
         item: dict[str, Any] = {"summary": doc.summary,
-                                "operationId": _operation_id(method, path)}
+                                "operationId": operation_id(method, path)}
         if doc.description:
             item["description"] = doc.description
         if doc.tags:
             item["tags"] = list(doc.tags)
-        params: list[dict[str, Any]] = [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-            for p in _PATH_PARAM.findall(path)
-        ]
-        params += [{"name": q.name, "in": "query", "required": False, "schema": dict(q.schema),
-                    **({"description": q.description} if q.description else {})}
-                   for q in doc.query]
+        declared = {p.name for where, p in doc.params if where == "path"}
+        params = [_param("path", Param(name, {"type": "string"}, required=True))
+                  for name in _PATH_PARAM.findall(path) if name not in declared]
+        params += [_param(where, p) for where, p in doc.params]
         if params:
             item["parameters"] = params
         if doc.request is not None:
-            item["requestBody"] = {"required": True,
-                                   "content": {JSON: {"schema": schema_of[doc.request]}}}
-        item["responses"] = {str(status): _response(status, spec, schema_of)
-                             for status, spec in sorted(doc.responses.items())}
+            media: dict[str, Any] = {"schema": schema_of[doc.request]}
+            if doc.example is not None:
+                media["example"] = doc.example
+            item["requestBody"] = {"required": True, "content": {JSON: media}}
+        item["responses"] = {str(status): _response(response, schema_of)
+                             for status, response in sorted(responses.items())}
         security: list[dict[str, list[str]]] = [{name: []} for name in doc.security]
         item["security"] = [*security, {}] if doc.auth_optional else security
         paths.setdefault(path, {})[method.lower()] = item
@@ -286,20 +287,122 @@ def build_openapi(routes: Iterable[tuple[str, str, Doc]], *, title: str, version
     }
 
 
-def _response(status: int, spec: ResponseSpec, schema_of: dict[object, Any]) -> dict[str, Any]:
-    description, body, content_types = spec
-    out: dict[str, Any] = {"description": description}
+def _structs(types: Iterable[object]) -> Iterator[type[msgspec.Struct]]:
+    """Every Struct class the types reach, once."""
+    seen: set[type] = set()
+    stack: list[mi.Type] = list(mi.multi_type_info(list(types)))
+    while stack:
+        t = stack.pop()
+        if isinstance(t, mi.StructType):
+            if t.cls in seen:
+                continue
+            seen.add(t.cls)
+            yield t.cls
+            stack.extend(f.type for f in t.fields)
+        elif isinstance(t, mi.Metadata | mi.CollectionType):
+            stack.append(t.type if isinstance(t, mi.Metadata) else t.item_type)
+        elif isinstance(t, mi.UnionType):
+            stack.extend(t.types)
+        elif isinstance(t, mi.DictType):
+            stack.extend((t.key_type, t.value_type))
+
+
+def _merge_rules(schema: dict[str, Any], rules: Mapping[str, Any]) -> None:
+    """Add a Struct's usage rules to its generated component."""
+    for key, value in rules.items():
+        if key == "properties":
+            for name, extra in value.items():
+                schema["properties"][name].update(extra)
+        elif key == "required":
+            schema["required"] = list(dict.fromkeys([*schema.get("required", ()), *value]))
+            for name in value:  # a default only lets the validator word its refusal
+                schema["properties"][name].pop("default", None)
+        elif key == "allOf":
+            schema["allOf"] = [*schema.get("allOf", ()), *value]
+        else:
+            schema[key] = value
+
+
+_DRAINING: Final = "the gateway is shutting down (draining)"
+_BAD_HEADERS: Final = "a header name has an underscore (invalid_request)"
+
+
+def _answers(doc: Doc, family: Family) -> dict[int, Response]:
+    """The route's own answers, plus those the middleware gives every route before the route
+    runs (in the route family's error shape): 400 for an underscore in a header name, and
+    503 while the gateway drains (not on the health probes)."""
+    responses = dict(doc.responses)
+    responses[400] = _also(responses.get(400), family, 400, _BAD_HEADERS)
+    if doc.drains:
+        responses[503] = _also(responses.get(503), family, 503, _DRAINING)
+    return responses
+
+
+def _also(documented: Response | None, family: Family, status: int, when: str) -> Response:
+    if family != "gateway":
+        when = _TYPE_NAME.sub("", when)
+    if documented is None:
+        return error(family, status, when[0].upper() + when[1:])
+    return replace(documented, description=f"{documented.description}; or {when}")
+
+
+def _param(where: str, p: Param) -> dict[str, Any]:
+    out = {"name": p.name, "in": where, "required": p.required or where == "path",
+           "schema": dict(p.schema)}
+    if p.description:
+        out["description"] = p.description
+    return out
+
+
+def _response(response: Response, schema_of: dict[object, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": response.description}
     content: dict[str, Any] = {}
-    for ct in (content_types,) if isinstance(content_types, str) else content_types:
-        if body is not None and _is_json(ct):
-            content[ct] = {"schema": schema_of[body]}
+    kinds = response.content
+    for ct in (kinds,) if isinstance(kinds, str) else kinds:
+        if response.body is not None and _is_json(ct):
+            schema = schema_of[response.body]
+            if response.or_body is not None:
+                schema = {"anyOf": [schema, schema_of[response.or_body]]}
+            content[ct] = {"schema": schema}
+        elif ct == SSE and response.event is not None:
+            content[ct] = {"schema": dict(response.event)}
         elif ct.startswith("text/"):
             content[ct] = {"schema": {"type": "string"}}
-        else:  # binary (audio/wav, images): 3.1 describes raw bytes by media type alone
+        else:  # a stream of JSON lines, or bytes: described by its media type alone
             content[ct] = {}
     if content:
         out["content"] = content
-    if status in _RETRY_AFTER:
-        out["headers"] = {"Retry-After": {"description": "Seconds until a retry may succeed",
-                                          "schema": {"type": "integer"}}}
+    headers = {"X-Request-Id": REQUEST_ID, **response.headers}
+    out["headers"] = {name: {"description": h.description, "required": h.required,
+                             "schema": dict(h.schema)} for name, h in headers.items()}
+    if response.links:
+        out["links"] = {name: dict(link) for name, link in response.links.items()}
     return out
+
+
+# ---- serving: the deployment's own facts filled in ------------------------------------------
+
+
+async def document(request: web.Request) -> web.Response:
+    app = request.app
+    tiers = tuple(sorted(set(app[appkeys.LIVE].current.policies.tiers.tiers) - {GUEST_TIER}))
+    body = _live(app[appkeys.OPENAPI], tiers, tuple(app[appkeys.ROUTER].chat_models))
+    return web.Response(body=body, content_type=JSON)
+
+
+@lru_cache(maxsize=8)
+def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...]) -> bytes:
+    """The built document with the tiers keys may be issued for and the models served."""
+    doc = orjson.loads(base)
+    schemas = doc["components"]["schemas"]
+    schemas["CreateKeyBody"]["properties"]["tier"]["enum"] = list(tiers)
+    for name in ("ChatRequest", "ServedChatRequest", "MessagesRequest", "OllamaChatRequest"):
+        if models:
+            schemas[name]["properties"]["model"]["examples"] = list(models)
+    for item in doc["paths"].values():
+        for operation in item.values():
+            media = operation.get("requestBody", {}).get("content", {}).get(JSON, {})
+            example = media.get("example")
+            if models and isinstance(example, dict) and example.get("model") == EXAMPLE_MODEL:
+                example["model"] = models[0]
+    return orjson.dumps(doc)

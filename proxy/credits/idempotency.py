@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from proxy.errors import ErrorKind, GatewayError
+from proxy.ids import hex_id
 
 HEADER = "Idempotency-Key"
 TTL_S = 24 * 3600
@@ -43,10 +44,12 @@ PENDING_POLL_S = 0.05
 class Claim:
     key: str
     fingerprint: str
+    owner: str  # this request's own mark: a SET NX retried after a lost reply finds it
 
     async def acquire(self, redis: Redis, pending_ttl_s: int) -> web.Response | None:
         """Claim the key: None for a first request, the stored Response for a retry."""
-        pending = orjson.dumps({"fingerprint": self.fingerprint}) + b"\n" + _PENDING
+        pending = orjson.dumps({"fingerprint": self.fingerprint, "owner": self.owner}) \
+            + b"\n" + _PENDING
         if await redis.set(self.key, pending, nx=True, ex=pending_ttl_s):
             return None
         # The first may be finishing (a stream's last bytes go out before its result is stored):
@@ -60,6 +63,8 @@ class Claim:
             record = orjson.loads(head)
             if record.get("fingerprint") != self.fingerprint:
                 raise _invalid("was already used with a different request")
+            if record.get("owner") == self.owner:
+                return None  # our own claim: the first SET NX ran, its reply was lost
             if "status" in record:
                 return web.Response(status=record["status"], body=body, headers={
                     "Content-Type": record["content_type"], "Idempotent-Replayed": "true"})
@@ -81,7 +86,7 @@ class Claim:
 
 
 def claim_for(account: str, route: str, headers: Mapping[str, str], raw: bytes) -> Claim | None:
-    """The request's claim (not yet made), or None without the header. Pure."""
+    """The request's claim (not yet made), or None without the header. No I/O."""
     given = headers.get(HEADER)
     if given is None:
         return None
@@ -89,7 +94,7 @@ def claim_for(account: str, route: str, headers: Mapping[str, str], raw: bytes) 
         raise _invalid(f"must be 1 to {MAX_KEY_LENGTH} characters")
     scope = hashlib.sha256(f"{account}\0{given}".encode()).hexdigest()
     fingerprint = hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()
-    return Claim(f"igw:{{{account}}}:idem:{scope}", fingerprint)
+    return Claim(f"igw:{{{account}}}:idem:{scope}", fingerprint, hex_id())
 
 
 def _invalid(problem: str) -> GatewayError:

@@ -9,14 +9,19 @@ Per account A (keys share the hash tag `{A}`, so each script stays in one Cluste
     igw:{A}:journal   stream  one entry per credit and one terminal entry per hold
     igw:{A}:usage     hash    running totals: all|…, m|<model>|…, d|<day number>|… (requests,
                               prompt_tokens, completion_tokens, cost), kept by the settle script
+    igw:{A}:ended     zset    hold and top-up ids done in the last two minutes (a retried settle
+                              or top-up whose reply was lost changes nothing)
     igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)
 
 Value moves credited -> available -> held -> spent (or back to available), so at every moment
-`credited == available + held + spent` and `held == sum(holds)`. The journal keeps the newest
-`journal_max_entries` money entries; older ones are folded into the `trimmed_*` checkpoint as
-they go, so checkpoint + journal still replay to `credited` and `spent`. `reconcile()` checks
-exactly that. A hold ends exactly once: the settle script does nothing when the hold is already
-gone, so a settle racing the sweeper (or a retry) can never charge twice.
+`credited == available + held + spent` and `held == sum(holds)`. Holds and windows are soft
+state (never in the AOF, see lua/admit.lua): a Redis restart forgets them, and a request that was
+running then is charged from what is available when it settles, never more than it held. The
+journal keeps the newest `journal_max_entries` money entries; older ones are folded into the
+`trimmed_*` checkpoint as they go, so checkpoint + journal still replay to `credited` and
+`spent`. `reconcile()` checks exactly that. A hold ends exactly once: the settle script does
+nothing when the hold is already ended, so a settle racing the sweeper (or a retry) can never
+charge twice.
 
 Outside the slot, an index `igw:ledger:accounts` (set) lets the sweeper and reconcile find
 accounts; it is only an index — losing an entry never changes money.
@@ -37,7 +42,7 @@ from proxy.ids import hex_id
 ACCOUNTS = "igw:ledger:accounts"
 Arg = bytes | str | int | float  # what a script's ARGV takes
 # Journal fields that are numbers; every other field is text, and `details` is a JSON object.
-_NUMBERS = frozenset({"held", "cost", "amount"})
+_NUMBERS = frozenset({"held", "cost", "amount", "recovered"})
 
 
 def lua_script(name: str) -> str:
@@ -52,12 +57,13 @@ class AccountKeys:
     hold_expiry: str
     journal: str
     usage: str
+    ended: str
 
     @classmethod
     def of(cls, account: str) -> AccountKeys:
         tag = f"igw:{{{account}}}"
         return cls(f"{tag}:bal", f"{tag}:holds", f"{tag}:hold_exp", f"{tag}:journal",
-                   f"{tag}:usage")
+                   f"{tag}:usage", f"{tag}:ended")
 
     def window(self, tier: str) -> str:
         return self.balance[:-3] + f"rl:{tier}"
@@ -115,8 +121,8 @@ class Ledger:
         """Top up (or adjust, when negative); journaled. Returns the new available balance."""
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
-        ok, available = await self._credit(keys=[keys.balance, keys.journal],
-                                           args=[amount, orjson.dumps(details)])
+        ok, available = await self._credit(keys=[keys.balance, keys.journal, keys.ended],
+                                           args=[amount, orjson.dumps(details), hex_id()])
         if not ok:
             raise InsufficientCredits(int(available), -amount)
         return int(available)
@@ -140,7 +146,7 @@ class Ledger:
         """End the hold: charge min(cost, held), release the rest, journal it. Exactly once:
         None when the hold had already ended (settled, released or swept). (Requests settle
         through `credits.settler`, batched; this is the same script, one call.)"""
-        keys, args = settle_call(account, hold_id, cost, status, "", 0, 0, details, keep, 0)
+        keys, args = settle_call(account, hold_id, cost, 0, status, "", 0, 0, details, keep, 0)
         charged = await self.settle_script(keys=keys, args=args)
         return None if int(charged) < 0 else int(charged)
 
@@ -156,7 +162,7 @@ class Ledger:
         async for raw in self.redis.sscan_iter(ACCOUNTS):
             keys = AccountKeys.of(_text(raw))
             released += int(await self._sweep(
-                keys=[keys.balance, keys.holds, keys.hold_expiry, keys.journal]))
+                keys=[keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.ended]))
         return released
 
     async def entries(self, account: str, *, before: str | None = None, count: int = 50
@@ -238,10 +244,11 @@ class Ledger:
         return problems
 
 
-def settle_call(account: str, hold_id: str, cost: int, status: str, model: str, prompt: int,
-                completion: int, details: Mapping[str, object], keep: int, ttl_s: int
-                ) -> tuple[list[str], list[Arg]]:
+def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, model: str,
+                prompt: int, completion: int, details: Mapping[str, object], keep: int,
+                ttl_s: int) -> tuple[list[str], list[Arg]]:
     """KEYS and ARGV of one settle script call (see lua/settle.lua)."""
     keys = AccountKeys.of(account)
-    return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage],
-            [hold_id, cost, status, model, prompt, completion, orjson.dumps(details), keep, ttl_s])
+    return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended],
+            [hold_id, cost, held, status, model, prompt, completion, orjson.dumps(details), keep,
+             ttl_s])

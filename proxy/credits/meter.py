@@ -90,8 +90,8 @@ class ChatMeter:
             keep, ttl = prices.journal_max_entries, 0
         keys, args = settle_call(
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
-            result.status, self.model, usage.prompt_tokens, usage.completion_tokens, details, keep,
-            ttl)
+            self.hold.amount if self.hold else 0, result.status, self.model, usage.prompt_tokens,
+            usage.completion_tokens, details, keep, ttl)
         settler.settle(script, keys, args)
 
     def _usage(self, result: Result) -> ChatUsage | None:

@@ -1,32 +1,53 @@
-"""Reading a request body under the route's byte cap, and parsing it as a JSON object."""
+"""Reading a request body: JSON only, under the route's byte cap, within the body deadline.
+
+Every route that reads a body comes through `read_capped` after its auth check; a request refused
+here still counts against the caller's rate limit, and over it the 429 is the answer (DESIGN.md
+§6: 401 and 429 come before 400/408/413/415; see pipeline.py). The checks run in this order:
+media type (415, nothing read), declared length (413, nothing read), then the bytes as they
+arrive (413 past the cap, 408 past `[server] body_timeout_s`), then the JSON itself (400).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 
+from proxy.appkeys import CONFIG
 from proxy.errors import ErrorKind, GatewayError
 
 
-async def read_capped(request: web.Request, cap: int) -> bytes:
+async def read_json(request: web.Request, cap: int) -> dict[str, Any]:
+    """The body as a JSON object (415, 413, 408, 400 as `read_capped` and `parse_json_object`)."""
+    return parse_json_object(await read_capped(request, cap))
+
+
+async def read_capped(request: web.Request, cap: int, *, require_json: bool = True) -> bytes:
     """The whole body, refusing (413) as soon as it is known to exceed `cap` bytes.
 
     Counted as it arrives: aiohttp's client_max_size does not cover every way a body is read,
-    and a declared Content-Length over the cap is refused before anything is read.
+    and a declared Content-Length over the cap is refused before anything is read. Every body
+    the gateway reads today is JSON; a route reading another kind passes `require_json=False`
+    and checks its own media type.
     """
+    if require_json:
+        _require_json(request)
     declared = request.content_length
     if declared is not None and declared > cap:
         raise _too_large(cap)
-    parts: list[bytes] = []
-    size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > cap:
-            raise _too_large(cap)
-        parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    if request.content.is_eof():  # all of it has arrived (the usual small body): no waiting
+        return await _read(request.content, cap)
+    deadline = request.app[CONFIG].server.body_timeout_s
+    try:
+        async with asyncio.timeout(deadline):
+            return await _read(request.content, cap)
+    except TimeoutError:
+        # The rest of the body is never read: the connection cannot carry another request.
+        raise GatewayError(ErrorKind.REQUEST_TIMEOUT,
+                           f"the request body did not arrive within {deadline:g} s",
+                           headers={"Connection": "close"}) from None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -61,6 +82,32 @@ def too_deep(value: object, limit: int) -> bool:
                     return True
                 stack.append((child, depth + 1))
     return False
+
+
+def is_json_media_type(content_type: str) -> bool:
+    """`application/json` or any `application/*+json`, with or without parameters (charset)."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json"))
+
+
+def _require_json(request: web.Request) -> None:
+    # The raw header: aiohttp's `content_type` reports a missing one as application/octet-stream.
+    if not is_json_media_type(request.headers.get("Content-Type", "")):
+        # The client's value is not repeated: it is theirs to know, and may carry anything.
+        raise GatewayError(ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+                           "the request body must be JSON (Content-Type: application/json)")
+
+
+async def _read(content: StreamReader, cap: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > cap:
+            raise _too_large(cap)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _too_large(cap: int) -> GatewayError:

@@ -1,4 +1,5 @@
-"""The one middleware: a request id, the drain gate, and every error in the documented shape."""
+"""The one middleware: a request id, header-name hygiene, the drain gate, and every error in the
+documented shape."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, STYLE
+from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, ROUTE_STYLES, STYLE
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import request_id_from
 from proxy.ids import hex_id
@@ -28,9 +29,17 @@ _ALWAYS_SERVED = frozenset({"/healthz", "/readyz"})
 async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request_id_from(request.headers.get("X-Request-Id"), hex_id())
     request[REQUEST_ID] = request_id
+    style = request.app[ROUTE_STYLES].get(request.match_info.handler)
+    if style is not None:  # errors in the route's own shape, from here on
+        request[STYLE] = style
     drain = request.app[DRAIN]
     counted = request.path not in _ALWAYS_SERVED
     try:
+        if _underscore_in_header_names(request):
+            # Envoy's edge rule (reliability.md I5): `X_Api_Key` and `X-Api-Key` must never
+            # be two spellings of one header to some server behind us.
+            raise GatewayError(ErrorKind.INVALID_REQUEST,
+                               "header names must not contain underscores")
         if counted:
             if drain.draining:
                 raise GatewayError(ErrorKind.UNAVAILABLE,
@@ -71,6 +80,13 @@ def error_response(request: web.Request, error: GatewayError) -> web.Response:
     """The error in the route's own style (OpenAI/FastAPI, Anthropic, Ollama)."""
     style = request.get(STYLE)
     body = style.error_body(error) if style is not None else error.json()
-    return web.Response(
+    response = web.Response(
         status=error.status, body=body, content_type="application/json", headers=error.headers,
     )
+    if error.headers.get("Connection") == "close":
+        response.force_close()  # the header alone does not make aiohttp close the connection
+    return response
+
+
+def _underscore_in_header_names(request: web.Request) -> bool:
+    return any(b"_" in name for name, _ in request.raw_headers)

@@ -108,8 +108,8 @@ class Admitter:
             raise rate_limited(window, f"the {tier_name} tier allows {limit} requests per minute")
         if status == INSUFFICIENT and hold is not None:
             raise InsufficientCredits(int(available), hold.amount)
-        if status == DUPLICATE_HOLD:
-            raise RuntimeError("hold id reused")  # ids are random: this is a bug, not a client
+        # DUPLICATE_HOLD: the script ran twice (its first reply was lost and the client
+        # retried): the hold is ours, placed by the first run.
         return window
 
     async def close(self) -> None:

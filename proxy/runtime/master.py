@@ -1,7 +1,8 @@
 """The master process of `serve`: supervised backends, N HTTP workers, and the order of shutdown.
 
-    serve ──> embedded redis-server (unless one is configured)          [serve(), below]
-          └─> master event loop
+    serve ──> master event loop
+                ├─ SupervisedRedis: the embedded redis-servers (unless Redis is configured),
+                │  restarted when they die (proxy.runtime.embedded_redis)
                 ├─ Supervisor: starts the `command` backends, publishes their states in Redis
                 └─ N workers: `python -m proxy.runtime.worker`, a WorkerSpec in $IGW_WORKER;
                    each binds the port with SO_REUSEPORT, so the kernel spreads connections
@@ -9,9 +10,11 @@
 A worker that dies is replaced (after 0.1 s, doubling while it keeps dying young). Signals:
   SIGTERM / SIGINT  drain: every worker turns /readyz to 503, refuses new requests and lets open
                     streams finish up to `drain_timeout_s`; then the supervised backends stop
-                    (SIGTERM, `grace_s`, SIGKILL); then Redis. A second signal kills the workers.
+                    (SIGTERM, `grace_s`, SIGKILL); then the embedded Redis. A second signal
+                    kills the workers.
   SIGHUP            forwarded to the workers: each reloads policies/.
-Workers and backends get PR_SET_PDEATHSIG (SIGTERM), so none outlives a master killed by SIGKILL.
+Workers, backends and the embedded Redis get PR_SET_PDEATHSIG (SIGTERM), so none outlives a
+master killed by SIGKILL.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 
 import msgspec
 
 from proxy.config import Config
+from proxy.runtime.embedded_redis import RedisStartError, SupervisedRedis
 from proxy.runtime.fleet_state import RestartBackoff
 from proxy.runtime.redis_process import (
     RATE_LIMIT_URL_ENV,
@@ -55,11 +60,12 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 class Master:
     def __init__(self, config: Config, *, host: str, port: int, workers: int,
-                 redis_url: str) -> None:
+                 redis_url: str, embedded: Sequence[SupervisedRedis] = ()) -> None:
         self.config = config
         self.host, self.port = host, port
         self.count = workers
         self.redis_url = redis_url
+        self.embedded = list(embedded)
         self.workers: dict[int, asyncio.subprocess.Process] = {}
         self._stop = asyncio.Event()
         self._signals = 0
@@ -69,6 +75,20 @@ class Master:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        started: list[SupervisedRedis] = []
+        try:
+            for server in self.embedded:
+                await server.start()
+                started.append(server)
+            return await self._serve()
+        except RedisStartError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            # Last: settlements of the draining workers and the backends' states still land.
+            await asyncio.gather(*(server.stop() for server in started))
+
+    async def _serve(self) -> int:
         redis = connect_redis(self.redis_url)
         supervisor = Supervisor(self.config, redis)
         try:
@@ -141,10 +161,12 @@ class Master:
             await asyncio.wait(late)
 
 
-def run_master(config: Config, *, host: str, port: int, workers: int, redis_url: str) -> int:
+def run_master(config: Config, *, host: str, port: int, workers: int, redis_url: str,
+               embedded: Sequence[SupervisedRedis] = ()) -> int:
     # The master's loop is the stock asyncio one: uvloop buys nothing here, and the stock loop
     # runs `preexec_fn` (PR_SET_PDEATHSIG) for its subprocesses.
-    master = Master(config, host=host, port=port, workers=workers, redis_url=redis_url)
+    master = Master(config, host=host, port=port, workers=workers, redis_url=redis_url,
+                    embedded=embedded)
     return asyncio.run(master.run())
 
 
@@ -159,25 +181,26 @@ def serve(config: Config, *, host: str | None, port: int | None,
         print(f"cannot listen on {host}:{port}: {problem}", file=sys.stderr)
         return 1
     redis_url = os.environ.get("GATEWAY_REDIS_URL") or config.gateway.redis_url
-    with contextlib.ExitStack() as stack:
-        if redis_url:
-            where = "external"
-        else:
-            embedded = RedisProcess(config.data_dir / "redis")
-            redis_url = embedded.start()
-            stack.callback(embedded.stop)  # after the master: workers and backends are gone
-            where = f"embedded, {embedded.url}"
-            if not rate_limit_redis_url(config, ""):
-                # Rate-limit counters live a minute and need no fsync: a second server without
-                # persistence keeps them off the ledger's fsync-on-every-write path.
-                limits = RedisProcess(config.data_dir / "redis-limits", persistent=False)
-                os.environ[RATE_LIMIT_URL_ENV] = limits.start()  # inherited by the workers
-                stack.callback(limits.stop)
-        models = ", ".join(app_models(config)) or "none"
-        supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
-        print(f"inference gateway on http://{host}:{port} (redis: {where}; chat models: "
-              f"{models}; workers: {count}; supervised backends: {supervised})", flush=True)
-        return run_master(config, host=host, port=port, workers=count, redis_url=redis_url)
+    embedded: list[SupervisedRedis] = []
+    if redis_url:
+        where = "external"
+    else:  # started, watched and stopped (last) by the master
+        ledger = RedisProcess(config.data_dir / "redis")
+        embedded.append(SupervisedRedis("ledger", ledger))
+        redis_url = ledger.url
+        where = f"embedded, {ledger.url}"
+        if not rate_limit_redis_url(config, ""):
+            # Rate-limit counters live a minute and need no fsync: a second server without
+            # persistence keeps them off the ledger's fsync-on-every-write path.
+            limits = RedisProcess(config.data_dir / "redis-limits", persistent=False)
+            embedded.append(SupervisedRedis("rate-limit", limits))
+            os.environ[RATE_LIMIT_URL_ENV] = limits.url  # inherited by the workers
+    models = ", ".join(app_models(config)) or "none"
+    supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
+    print(f"inference gateway on http://{host}:{port} (redis: {where}; chat models: "
+          f"{models}; workers: {count}; supervised backends: {supervised})", flush=True)
+    return run_master(config, host=host, port=port, workers=count, redis_url=redis_url,
+                      embedded=embedded)
 
 
 def app_models(config: Config) -> list[str]:

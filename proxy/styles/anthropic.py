@@ -53,6 +53,7 @@ _ERROR_TYPES = {
 
 class AnthropicStyle(ChatStyle):
     name = "anthropic"
+    error_family = "anthropic"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
         request = validate_with(body, MessagesRequest, usage_rules)

@@ -35,13 +35,13 @@ messages ahead of whatever else that user message says. Decisions:
 """
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import orjson
 from msgspec import Meta
 
-from proxy.styles.openai_schema import Mode, Tokens
+from proxy.styles.openai_schema import JSON_INT_MAX, NOT_TRUE, Mode, Tokens
 
 __all__ = [
     "Block",
@@ -49,6 +49,7 @@ __all__ = [
     "Message",
     "MessagesRequest",
     "RedactedThinkingBlock",
+    "SystemBlock",
     "TextBlock",
     "ThinkingAdaptive",
     "ThinkingBlock",
@@ -125,6 +126,15 @@ class Message(_Open):
     role: Literal["user", "assistant"]
     content: Annotated[str | list[Block], Meta(description="Text, or a list of content blocks")]
 
+    # usage_rules' block-per-role rule, as the OpenAPI document states it.
+    json_schema_rules: ClassVar[JSONObject] = {"allOf": [
+        {"description": f"{role} messages carry only {', '.join(kinds)} blocks",
+         "if": {"properties": {"role": {"const": role}}},
+         "then": {"properties": {"content": {"items": {"properties": {"type": {"enum": kinds}}}}}}}
+        for role, kinds in (("user", ["text", "image", "tool_result"]),
+                            ("assistant", ["text", "tool_use", "thinking", "redacted_thinking"]))
+    ]}
+
 
 class Tool(_Open):
     name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
@@ -154,7 +164,8 @@ class ToolChoiceTool(_Choice, tag="tool", kw_only=True):
 
 
 class ThinkingEnabled(_Open, tag_field="type", tag="enabled"):
-    budget_tokens: Annotated[int, Meta(ge=1, description="Not forwarded: see the style module")]
+    budget_tokens: Annotated[
+        int, Meta(ge=1, le=JSON_INT_MAX, description="Not forwarded: see the style module")]
 
 
 class ThinkingAdaptive(_Open, tag_field="type", tag="adaptive"):
@@ -163,6 +174,14 @@ class ThinkingAdaptive(_Open, tag_field="type", tag="adaptive"):
 
 class ThinkingDisabled(_Open, tag_field="type", tag="disabled"):
     pass
+
+
+class SystemBlock(_Open):
+    """A text block of the system prompt. Not the tagged TextBlock: msgspec does not require the
+    tag of a tagged Struct decoded on its own, and Anthropic's API requires `type` here too."""
+
+    type: Literal["text"]
+    text: str
 
 
 class Metadata(_Open):
@@ -176,12 +195,12 @@ class MessagesRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
     model: Annotated[str, Meta(min_length=1, description="Model identifier, case-sensitive")]
     max_tokens: Annotated[Tokens, Meta(description="Completion-token cap (required)")]
     messages: Annotated[list[Message], Meta(min_length=1, description="The conversation")]
-    system: str | list[TextBlock] | None = None
+    system: str | list[SystemBlock] | None = None
     # Four, like the compat route: TGI and OpenAI upstreams refuse more.
     stop_sequences: Annotated[list[str], Meta(max_length=4)] | None = None
     temperature: Annotated[Unit | None, Meta(description="0-1; sent upstream unscaled")] = None
     top_p: Unit | None = None
-    top_k: Annotated[int, Meta(ge=1)] | None = None
+    top_k: Annotated[int, Meta(ge=1, le=JSON_INT_MAX)] | None = None
     stream: bool | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceAuto | ToolChoiceAny | ToolChoiceNone | ToolChoiceTool | None = None
@@ -195,6 +214,22 @@ class MessagesRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
     async_: Annotated[
         bool | None, Meta(description="Return a task handle (202) instead of the message")
     ] = msgspec.field(default=None, name="async")
+
+    # usage_rules' request-level rules, as the OpenAPI document states them. A `tool` choice
+    # must also name one of `tools`: JSON Schema cannot compare values, only the description
+    # (and the validator) says that.
+    json_schema_rules: ClassVar[JSONObject] = {"allOf": [
+        {"description": "stream cannot be combined with async",
+         "anyOf": [{"properties": {"stream": NOT_TRUE}}, {"properties": {"async": NOT_TRUE}}]},
+        {"description": "stream is only available in direct mode",
+         "anyOf": [{"properties": {"stream": NOT_TRUE}},
+                   {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
+        {"description": "tool_choice any or tool needs tools",
+         "anyOf": [{"properties": {"tool_choice": {"anyOf": [
+                       {"type": "null"}, {"properties": {"type": {"enum": ["auto", "none"]}}}]}}},
+                   {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                                    "minItems": 1}}}]},
+    ]}
 
 
 _USER_ONLY = (ImageBlock, ToolResultBlock)
@@ -222,11 +257,8 @@ def usage_rules(req: MessagesRequest) -> list[dict[str, object]]:
                 faults.append(_fault(["messages", i, "content", j, "type"],
                                      f"{tag} blocks are not allowed in {message.role} messages"))
     choice = req.tool_choice
-    names = {tool.name for tool in req.tools or ()}
-    if isinstance(choice, ToolChoiceAny | ToolChoiceTool) and not names:
+    if isinstance(choice, ToolChoiceAny | ToolChoiceTool) and not req.tools:
         faults.append(_fault(["tool_choice"], "tool_choice needs tools"))
-    elif isinstance(choice, ToolChoiceTool) and choice.name not in names:
-        faults.append(_fault(["tool_choice", "name"], f"no tool is named {choice.name[:100]!r}"))
     return faults
 
 
@@ -272,7 +304,7 @@ def to_openai(req: MessagesRequest) -> JSONObject:
     return body
 
 
-def _join(blocks: Sequence[TextBlock]) -> str:
+def _join(blocks: Sequence[TextBlock | SystemBlock]) -> str:
     return "\n".join(block.text for block in blocks)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from proxy.errors import GatewayError
 
@@ -48,10 +48,15 @@ class StreamEncoder(ABC):
         """One in-band error and the stream's end, once a 200 has been sent."""
 
 
+# Whose error shape a route answers in: the gateway's own (OpenAI/FastAPI), Anthropic's, Ollama's.
+ErrorFamily = Literal["gateway", "anthropic", "ollama"]
+
+
 class ChatStyle(ABC):
     """A client-facing chat dialect."""
 
     name: str = "openai"
+    error_family: ErrorFamily = "gateway"
 
     @abstractmethod
     def parse(self, body: dict[str, Any]) -> ChatCall:

@@ -44,6 +44,7 @@ _IMAGE_MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
 
 class OllamaStyle(ChatStyle):
     name = "ollama"
+    error_family = "ollama"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
         request = validate_with(body, OllamaChatRequest, usage_rules)

@@ -8,12 +8,12 @@ encoding/json) ignores them and its clients add fields release by release (`trun
 such as `num_gpu`, `mirostat`) are accepted and ignored likewise.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
 
-from proxy.styles.openai_schema import Mode
+from proxy.styles.openai_schema import JSON_INT_MAX, JsonInt, Mode
 
 __all__ = [
     "OllamaChatRequest",
@@ -43,7 +43,7 @@ class _Open(msgspec.Struct, kw_only=True, omit_defaults=True):
 class OllamaToolCallFunction(_Open):
     name: Annotated[str, Meta(min_length=1)]
     arguments: Annotated[JSONObject, Meta(description="An object, not a JSON string")] = {}
-    index: int | None = None
+    index: JsonInt | None = None
 
 
 class OllamaToolCall(_Open):
@@ -59,6 +59,16 @@ class OllamaMessage(_Open):
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: Annotated[str | None, Meta(description="The tool a `tool` message answers")] = None
     tool_call_id: str | None = None
+
+    # usage_rules' per-message rules, as the OpenAPI document states them.
+    json_schema_rules: ClassVar[JSONObject] = {"allOf": [
+        {"description": "images are only accepted on user messages",
+         "if": {"properties": {"role": {"enum": ["system", "assistant", "tool"]}}},
+         "then": {"properties": {"images": {"maxItems": 0}}}},
+        {"description": "tool_calls are only accepted on assistant messages",
+         "if": {"properties": {"role": {"enum": ["system", "user", "tool"]}}},
+         "then": {"properties": {"tool_calls": {"maxItems": 0}}}},
+    ]}
 
 
 class OllamaFunction(_Open):
@@ -77,15 +87,15 @@ class OllamaOptions(_Open):
 
     temperature: Annotated[float, Meta(ge=0.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_k: Annotated[int | None, Meta(description="<= 0 disables it")] = None
+    top_k: Annotated[JsonInt | None, Meta(description="<= 0 disables it")] = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: JsonInt | None = None
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
     num_predict: Annotated[
         Annotated[int, Meta(ge=-2, le=128_000)] | None,
         Meta(description="Max completion tokens; -1, -2 (and 0, as in Ollama) mean unlimited"),
     ] = None
-    num_ctx: Annotated[int, Meta(ge=1)] | None = None
+    num_ctx: Annotated[int, Meta(ge=1, le=JSON_INT_MAX)] | None = None
     repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
@@ -112,6 +122,21 @@ class OllamaChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     mode: Annotated[Mode | None, Meta(description="Routing mode; absent means auto")] = None
+
+    # usage_rules' request-level rules, as the OpenAPI document states them. `messages` has a
+    # default only so that the validator can say why an empty list is refused.
+    json_schema_rules: ClassVar[JSONObject] = {
+        "required": ["messages"],
+        "properties": {"messages": {"minItems": 1}},
+        "allOf": [
+            {"description": "streaming (the default) is only available in direct mode",
+             "anyOf": [{"required": ["stream"], "properties": {"stream": {"const": False}}},
+                       {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
+            {"description": "top_logprobs requires logprobs: true",
+             "anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
+                       {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},
+        ],
+    }
 
 
 def _value_error(loc: list[str | int], text: str) -> dict[str, object]:

@@ -12,14 +12,16 @@ from typing import Any
 from proxy.errors import GatewayError
 from proxy.http.sse import DONE_FRAME, frame
 from proxy.styles.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.styles.openai_schema import ChatRequest, validate_chat
+from proxy.styles.openai_schema import ChatRequest, chat_usage_rules
+from proxy.validate import conform_with
 
 
 class OpenAIStyle(ChatStyle):
     name = "openai"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        return self.call_for(validate_chat(body), body)
+        # Forwarded as it passed: with 1.0 as 1 where it had to be, which TGI (serde) needs.
+        return self.call_for(*conform_with(body, ChatRequest, chat_usage_rules))
 
     @staticmethod
     def call_for(request: ChatRequest, body: dict[str, Any]) -> ChatCall:

@@ -2,7 +2,9 @@
 
 These msgspec Structs are the single source of truth: `validate.py` checks request bodies against
 them (compiled by msgspec, no per-request schema interpretation) and `openapi.py` renders them as
-OpenAPI components, so the 422 errors and the published document cannot drift apart.
+OpenAPI components, so the 422 errors and the published document cannot drift apart. The usage
+rules msgspec types cannot carry are Python (`chat_usage_rules`), stated beside them as JSON
+Schema (`json_schema_rules`) for the document; tests/api checks that both say the same.
 
 Conventions: every optional field defaults to None (the gateway forwards what the client sent and
 does not inject the spec's documented defaults); the top-level request forbids unknown fields
@@ -11,7 +13,7 @@ objects "may carry further properties"). msgspec drops those extras when convert
 forward the client's original JSON, not a re-encoded Struct.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -19,12 +21,15 @@ from msgspec import Meta
 from proxy.validate import ErrorItem, Loc, validate_with, value_error
 
 __all__ = [
+    "JSON_INT_MAX",
+    "NOT_TRUE",
     "AsyncAccepted",
     "ChatMessage",
     "ChatRequest",
     "ChatResponse",
     "FunctionDefinition",
     "FunctionName",
+    "JsonInt",
     "ResponseFormat",
     "StreamOptions",
     "Tool",
@@ -33,6 +38,11 @@ __all__ = [
     "validate_chat",
 ]
 
+# Integer fields without a bound of their own take 64-bit integers, as OpenAI's own schema bounds
+# `seed` (orjson reads larger JSON integers as floats, and msgspec bounds stop at int64).
+JSON_INT_MIN: Final = -(2**63)
+JSON_INT_MAX: Final = 2**63 - 1
+JsonInt = Annotated[int, Meta(ge=JSON_INT_MIN, le=JSON_INT_MAX)]
 # Bounds straight from the spec's chat table / Limits table.
 Tokens = Annotated[int, Meta(ge=1, le=128_000)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -40,6 +50,10 @@ StopList = Annotated[list[str], Meta(max_length=4)]
 Role = Literal["system", "user", "assistant", "tool"]
 Mode = Literal["auto", "network", "direct"]
 JSONObject = dict[str, Any]
+
+# JSON Schema for "absent, null or false": what a usage rule's either/or branches say of a flag.
+NOT_TRUE: Final[JSONObject] = {"enum": [False, None]}
+_TEXT_OR_PARTS: Final[JSONObject] = {"type": ["string", "array"]}
 
 
 class _Open(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -60,6 +74,24 @@ class ChatMessage(_Open):
         str | None, Meta(description="The tool call a `tool` message answers (required there)")
     ] = None
     name: Annotated[str | None, Meta(description="Optional participant name")] = None
+
+    # chat_usage_rules' per-message rules, as the OpenAPI document states them (openapi.py
+    # merges `json_schema_rules` into the component).
+    json_schema_rules: ClassVar[JSONObject] = {"allOf": [
+        {"description": "system, user and tool messages need content (not null)",
+         "if": {"properties": {"role": {"enum": ["system", "user", "tool"]}}},
+         "then": {"required": ["content"], "properties": {"content": _TEXT_OR_PARTS}}},
+        {"description": "a tool message needs tool_call_id",
+         "if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"],
+                  "properties": {"tool_call_id": {"type": "string"}}}},
+        {"description": "an assistant message needs content or tool_calls",
+         "if": {"properties": {"role": {"const": "assistant"}}},
+         "then": {"anyOf": [
+             {"required": ["content"], "properties": {"content": _TEXT_OR_PARTS}},
+             {"required": ["tool_calls"],
+              "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}},
+    ]}
 
 
 class ResponseFormat(_Open):
@@ -118,7 +150,7 @@ class ChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
         Meta(description="Server-Sent Events; direct mode only; not together with async"),
     ] = None
     response_format: ResponseFormat | None = None
-    seed: Annotated[int | None, Meta(description="Deterministic-output seed")] = None
+    seed: Annotated[JsonInt | None, Meta(description="Deterministic-output seed")] = None
     n: Annotated[int, Meta(ge=1, le=10)] | None = None
     logprobs: Annotated[bool | None, Meta(description="Return log probabilities")] = None
     top_logprobs: Annotated[
@@ -136,6 +168,24 @@ class ChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     async_: Annotated[
         bool | None, Meta(description="Return a task handle (202) instead of the completion")
     ] = msgspec.field(default=None, name="async")
+
+    # chat_usage_rules' request-level rules, as the OpenAPI document states them. (A named
+    # tool_choice that names none of `tools` is left to the model server, which refuses it with
+    # a 400: JSON Schema cannot compare values, and the document must say what we check.)
+    json_schema_rules: ClassVar[JSONObject] = {"allOf": [
+        {"description": "stream cannot be combined with async",
+         "anyOf": [{"properties": {"stream": NOT_TRUE}}, {"properties": {"async": NOT_TRUE}}]},
+        {"description": "stream is only available in direct mode",
+         "anyOf": [{"properties": {"stream": NOT_TRUE}},
+                   {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
+        {"description": "top_logprobs requires logprobs: true",
+         "anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
+                   {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},
+        {"description": "tool_choice other than none needs tools",
+         "anyOf": [{"properties": {"tool_choice": {"enum": [None, "none"]}}},
+                   {"required": ["tools"],
+                    "properties": {"tools": {"type": "array", "minItems": 1}}}]},
+    ]}
 
 
 # ---- Response side: documentation only (the gateway relays upstream bytes, it does not
@@ -174,7 +224,8 @@ def validate_chat(body: object) -> ChatRequest:
 
 
 def chat_usage_rules(req: ChatRequest) -> list[ErrorItem]:
-    """Cross-field rules of the spec and DESIGN §6 that a schema cannot express."""
+    """Cross-field rules of the spec and DESIGN §6, which msgspec types cannot express; the
+    Structs' `json_schema_rules` state the same rules in the OpenAPI document."""
     faults: list[ErrorItem] = []
     if req.stream and req.async_:
         faults.append(value_error(("body", "stream"), "stream cannot be combined with async"))
@@ -183,6 +234,10 @@ def chat_usage_rules(req: ChatRequest) -> list[ErrorItem]:
     if req.top_logprobs is not None and req.logprobs is not True:
         faults.append(value_error(("body", "top_logprobs"),
                                    "top_logprobs requires logprobs: true"))
+    # OpenAI and vLLM refuse this too; refusing here names the field (and nothing is charged).
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not req.tools:
+        faults.append(value_error(("body", "tool_choice"), "tool_choice needs tools"))
     for i, msg in enumerate(req.messages):
         loc: Loc = ("body", "messages", i)
         if msg.role == "assistant":

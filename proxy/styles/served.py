@@ -13,11 +13,11 @@ from proxy.styles.base import ChatCall
 from proxy.styles.openai import OpenAIStyle
 from proxy.styles.openai_schema import chat_usage_rules
 from proxy.styles.served_schema import ServedChatRequest
-from proxy.validate import validate_with
+from proxy.validate import conform_with
 
 
 class ServedStyle(OpenAIStyle):
     name = "served"
 
     def parse(self, body: dict[str, Any]) -> ChatCall:
-        return self.call_for(validate_with(body, ServedChatRequest, chat_usage_rules), body)
+        return self.call_for(*conform_with(body, ServedChatRequest, chat_usage_rules))

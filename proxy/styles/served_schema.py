@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from proxy.styles.openai_schema import ChatRequest
+from proxy.styles.openai_schema import JSON_INT_MAX, ChatRequest, JsonInt
 
 JSONObject = dict[str, Any]
 
@@ -28,17 +28,17 @@ class ServedChatRequest(ChatRequest, kw_only=True, omit_defaults=True, forbid_un
     logit_bias: dict[str, float] | None = None
     parallel_tool_calls: bool | None = None
     # Sampling
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=JSON_INT_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=128000)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[JsonInt] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=JSON_INT_MAX)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[JsonInt] | None = None
     bad_words: list[str] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -51,7 +51,7 @@ class ServedChatRequest(ChatRequest, kw_only=True, omit_defaults=True, forbid_un
     echo: bool | None = None
     # Other
     structured_outputs: JSONObject | None = None
-    priority: int | None = None
+    priority: JsonInt | None = None
     request_id: Annotated[str, Meta(max_length=128)] | None = None
     mm_processor_kwargs: JSONObject | None = None
     cache_salt: str | None = None

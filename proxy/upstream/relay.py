@@ -8,7 +8,8 @@ upstream that fails before that (an in-band error, a cut) is an `UpstreamFailure
 retry on another backend, or else a real HTTP status. After that the status is fixed at 200
 and a failure (in-band error, cut connection, idle timeout) becomes exactly one error event
 followed by the normal terminator. A client that goes away cancels the handler, which closes the
-upstream request (see `Upstreams.exchange`).
+upstream request (see `Upstreams.exchange`); so does one that reads nothing for
+`[server] write_timeout_s`, whose connection proxy.http.server cuts.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from proxy.config import ConfigError, load_config
-from proxy.credits.ledger import AccountKeys, Ledger, settle_call
+from proxy.credits.ledger import AccountKeys, Ledger, lua_script, settle_call
 from proxy.credits.settler import Settler
 from proxy.runtime.redis_process import RedisProcess
 from tests.conftest import (
@@ -329,7 +329,7 @@ async def test_a_failed_settlement_is_retried_until_redis_answers(
         await ledger.credit("acme", 1000, {})
         hold = await ledger.hold("acme", 100, ttl_s=60)
         settler = Settler(redis, [ledger.settle_script])
-        keys, args = settle_call("acme", hold, 40, "completed", MODEL, 1, 2, {}, 100, 0)
+        keys, args = settle_call("acme", hold, 40, 100, "completed", MODEL, 1, 2, {}, 100, 0)
         await admin.execute_command("CLIENT", "PAUSE", "400")  # Redis stops answering a while
         settler.settle(ledger.settle_script, keys, args)
         await settler.flush()  # times out, backs off, retries until it lands
@@ -353,7 +353,7 @@ async def test_holds_are_soft_state_and_charges_survive_a_crash(tmp_path: Any) -
         await ledger.credit("acme", 1000, {})
         settled_hold = await ledger.hold("acme", 100, ttl_s=60)
         assert await ledger.settle("acme", settled_hold, 40, {}) == 40
-        await ledger.hold("acme", 300, ttl_s=60)  # a request still running at the crash
+        running = await ledger.hold("acme", 300, ttl_s=60)  # a request running at the crash
         assert (await ledger.balance("acme")).available == 660
         await redis.aclose()
         proc.kill()
@@ -364,6 +364,33 @@ async def test_holds_are_soft_state_and_charges_survive_a_crash(tmp_path: Any) -
         assert (balance.available, balance.held, balance.spent) == (960, 0, 40)
         assert await ledger.open_holds("acme") == {}
         assert await ledger.reconcile(["acme"]) == []
+        # The running request finishes: its hold is gone, so it is charged from what is
+        # available, never more than it held; a retry of that settlement charges nothing.
+        keys, args = settle_call("acme", running, 120, 300, "completed", MODEL, 1, 2, {}, 100, 0)
+        assert await ledger.settle_script(keys=keys, args=args) == 120
+        assert await ledger.settle_script(keys=keys, args=args) == -1
+        [entry] = [e for e in await ledger.all_entries("acme") if e.get("hold") == running]
+        assert entry["recovered"] == 1 and entry["cost"] == 120
+        balance = await ledger.balance("acme")
+        assert (balance.available, balance.held, balance.spent) == (840, 0, 160)
+        assert await ledger.reconcile(["acme"]) == []
         await redis.aclose()
     finally:
         proc.stop()
+
+
+async def test_a_retried_top_up_is_applied_once(clean_redis: RedisProcess) -> None:
+    """A top-up whose reply was lost is retried by the client library: same operation id."""
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        ledger = Ledger(redis)
+        keys = AccountKeys.of("acme")
+        call = {"keys": [keys.balance, keys.journal, keys.ended], "args": [500, b"{}", "op-1"]}
+        script = redis.register_script(lua_script("credit"))
+        assert await script(**call) == [1, 500]
+        assert await script(**call) == [1, 500]  # the retry: nothing changes
+        assert (await ledger.balance("acme")).credited == 500
+        await redis.sadd("igw:ledger:accounts", "acme")
+        assert await ledger.reconcile(["acme"]) == []
+    finally:
+        await redis.aclose()

@@ -549,8 +549,12 @@ async def test_admin_bad_bodies(
         assert answer["error"]["type"] == "validation_error"
         assert [item["loc"] for item in answer["detail"]] == locs
     for raw_body in (b"{not json", b"[1, 2]"):
-        resp = await client.post("/admin/keys", headers=auth, data=raw_body)
+        resp = await client.post("/admin/keys", data=raw_body,
+                                 headers={**auth, "Content-Type": "application/json"})
         assert resp.status == 400
+    resp = await client.post("/admin/keys", headers=auth, data=b'{"account": "acme"}')
+    assert resp.status == 415  # JSON only, said so by Content-Type (none here)
+    assert (await resp.json())["error"]["type"] == "unsupported_media_type"
     assert await redis.dbsize() == 0
 
 

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,18 +73,20 @@ class Stack:
     """One `serve` process tree; everything it started is killed at the end, whatever happens."""
 
     def __init__(self, tmp: Path, backends: list[dict[str, Any]], *, workers: int,
-                 redis_url: str | None, drain_s: float = 5.0, **sections: dict[str, Any]
-                 ) -> None:
+                 redis_url: str | None, drain_s: float = 5.0,
+                 policies: dict[str, str] | None = None, **sections: dict[str, Any]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.folder = tmp / "config"
+        self.data = tmp / "data"
         (self.folder / "policies").mkdir(parents=True)
         for backend in backends:
             if "cwd" in backend:
                 (self.folder / backend["cwd"]).mkdir(exist_ok=True)
-        (self.folder / "policies" / "tiers.toml").write_text(GENEROUS_TIERS)
+        for name, text in {"tiers.toml": GENEROUS_TIERS, **(policies or {})}.items():
+            (self.folder / "policies" / name).write_text(text)
         config: dict[str, dict[str, Any]] = {
-            "gateway": {"port": self.port, "data_dir": str(tmp / "data"),
+            "gateway": {"port": self.port, "data_dir": str(self.data),
                         "drain_timeout_s": drain_s},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "supervisor": {"backoff_base_s": 0.2, "grace_s": 2.0, "startup_timeout_s": 20.0},
@@ -156,14 +158,6 @@ def gone(proc: psutil.Process) -> bool:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-@pytest.fixture
-def stacks(tmp_path: Path) -> Iterator[list[Stack]]:
-    started: list[Stack] = []
-    yield started
-    for stack in started:
-        stack.close()
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
      body(messages=[USER, {"role": "assistant", "tool_calls": [{"id": "c1"}]}])),
     ("tool message", body(messages=[{"role": "tool", "content": "x", "tool_call_id": "c1"}])),
     *[(f"{f} {v}", body(**{f: v})) for f in ("max_completion_tokens", "max_tokens")
-      for v in (1, 128_000, None)],
+      for v in (1, 128_000, 100.0, None)],
     *[(f"temperature {v}", body(temperature=v)) for v in (0, 0.0, 1, 2, 2.0, None)],
     *[(f"top_p {v}", body(top_p=v)) for v in (0, 0.5, 1.0)],
     *[(f"{f} {v}", body(**{f: v})) for f in ("frequency_penalty", "presence_penalty")
@@ -83,15 +83,18 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ("stream in auto mode", body(stream=True, mode="auto")),
     ("stream false with async", body(stream=False, async_=True)),
     *[(f"response_format {t}", body(response_format={"type": t})) for t in ("json_object", "text")],
-    *[(f"seed {v}", body(seed=v)) for v in (0, -1, 2**63, None)],
+    *[(f"seed {v}", body(seed=v)) for v in (0, -1, 2**63 - 1, -(2**63), 1e18, None)],
     *[(f"n {v}", body(n=v)) for v in (1, 10)],
     *[(f"logprobs {v}", body(logprobs=v)) for v in (True, False)],
     *[(f"top_logprobs {v}", body(top_logprobs=v, logprobs=True)) for v in (0, 20)],
     ("tools", body(tools=[TOOL])),
     ("tool without parameters, with description",
      body(tools=[{"type": "function", "function": {"name": "f", "description": "d"}}])),
-    *[(f"tool_choice {v}", body(tool_choice=v)) for v in ("auto", "none", "required")],
-    ("tool_choice object", body(tool_choice={"type": "function", "function": {"name": "f"}})),
+    *[(f"tool_choice {v}", body(tools=[TOOL], tool_choice=v))
+      for v in ("auto", "none", "required")],
+    ("tool_choice none without tools", body(tool_choice="none")),
+    ("tool_choice object", body(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})),
     ("stream_options", body(stream=True, stream_options={"include_usage": True})),
     ("stream_options empty", body(stream_options={})),
     ("store", body(store=True)),
@@ -132,8 +135,9 @@ REJECTED: list[tuple[str, dict[str, Any], list[dict[str, object]]]] = [
      [err(["messages", 0, "content", 0], "Input should be a valid dictionary", "dict_type")]),
     *[(f"{f} {v}", body(**{f: v}), [e]) for f in ("max_completion_tokens", "max_tokens")
       for v, e in ((0, gte([f], "1")), (128_001, lte([f], "128000")),
-                   (1.5, err([f], FRACTION, "int_from_float")), (100.0, err([f], INT, "int_type")),
-                   ("100", err([f], INT, "int_type")), (True, err([f], INT, "int_type")))],
+                   (1.5, err([f], FRACTION, "int_from_float")), (1e19, err([f], INT, "int_type")),
+                   (1e6, lte([f], "128000")), ("100", err([f], INT, "int_type")),
+                   (True, err([f], INT, "int_type")))],
     ("temperature below", body(temperature=-0.1), [gte(["temperature"], "0")]),
     ("temperature above", body(temperature=2.01), [lte(["temperature"], "2")]),
     ("temperature string", body(temperature="hot"), [err(["temperature"], NUMBER, "float_type")]),
@@ -158,6 +162,7 @@ REJECTED: list[tuple[str, dict[str, Any], list[dict[str, object]]]] = [
     ("response_format a string", body(response_format="json"),
      [model_type(["response_format"], "ResponseFormat")]),
     ("seed fractional", body(seed=1.5), [err(["seed"], FRACTION, "int_from_float")]),
+    ("seed over 64 bits", body(seed=2**63), [lte(["seed"], "9223372036854775807")]),
     ("seed string", body(seed="42"), [err(["seed"], INT, "int_type")]),
     ("n 0", body(n=0), [gte(["n"], "1")]),
     ("n 11", body(n=11), [lte(["n"], "10")]),
@@ -176,6 +181,10 @@ REJECTED: list[tuple[str, dict[str, Any], list[dict[str, object]]]] = [
      body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
      [err(["tools", 0, "function", "parameters"], "Input should be a valid dictionary",
           "dict_type")]),
+    *[(f"tool_choice {v} without tools", body(tool_choice=v, tools=t),
+       [err(["tool_choice"], "Value error, tool_choice needs tools", "value_error")])
+      for v in ("auto", "required", {"type": "function", "function": {"name": "f"}})
+      for t in (..., None, [])],
     ("tool_choice unknown word", body(tool_choice="any"),
      [err(["tool_choice"], "Input should be 'auto', 'none' or 'required'", "literal_error")]),
     ("tool_choice a number", body(tool_choice=1),
@@ -357,8 +366,8 @@ def test_openapi_chat_schema_carries_the_spec_bounds() -> None:
     assert post["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatRequest"}
     responses = post["responses"]
-    assert set(responses) == {"200", "202", "400", "401", "402", "403", "404", "413", "422",
-                              "429", "502", "503", "504"}
+    assert set(responses) == {"200", "202", "400", "401", "402", "403", "404", "409", "413",
+                              "415", "422", "429", "501", "502", "503", "504"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert responses["422"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ValidationErrorBody")

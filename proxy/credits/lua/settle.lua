@@ -3,35 +3,54 @@
 -- Holds are soft state (see admit.lua): releasing one is not persisted, only the charge is, so
 -- the AOF replays to the balance with no hold in it.
 --
--- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash
--- ARGV: hold id ('' for none), cost, status, model, prompt tokens, completion tokens,
---       details (JSON), journal entries kept, journal ttl s (0: none)
--- Returns the charge, or -1 when the hold had already ended (settled, released or swept).
+-- A hold that is gone was either ended already (settled or swept: its id is in the `ended` set
+-- for a while, so a retried settle does nothing) or forgotten by a Redis restart; the request
+-- then ran on money that was reserved, and is charged from what is available, never more than
+-- it held (`recovered` in the journal).
+--
+-- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset
+-- ARGV: hold id ('' for none), cost, amount held, status, model, prompt tokens,
+--       completion tokens, details (JSON), journal entries kept, journal ttl s (0: none)
+-- Returns the charge, or -1 when there was nothing to do (the hold had already ended).
 local now = redis.call('TIME')
 local cost = tonumber(ARGV[2])
 local charge, held = 0, 0
+local recovered = 0
 if ARGV[1] ~= '' then
+  if redis.call('ZSCORE', KEYS[6], ARGV[1]) then return -1 end
   held = redis.call('HGET', KEYS[2], ARGV[1])
-  if not held then return -1 end
-  held = tonumber(held)
-  charge = math.max(0, math.min(cost, held))
-  redis.set_repl(redis.REPL_NONE)
-  redis.call('HINCRBY', KEYS[1], 'held', 0 - held)
-  redis.call('HINCRBY', KEYS[1], 'available', held)
-  redis.call('HDEL', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.set_repl(redis.REPL_ALL)
-  redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)
-  redis.call('HINCRBY', KEYS[1], 'spent', charge)
+  if not held then
+    if cost <= 0 then return -1 end
+    held = tonumber(ARGV[3])
+    local available = tonumber(redis.call('HGET', KEYS[1], 'available') or '0')
+    charge = math.max(0, math.min(cost, held, available))
+    recovered = 1
+    redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)
+    redis.call('HINCRBY', KEYS[1], 'spent', charge)
+  else
+    held = tonumber(held)
+    charge = math.max(0, math.min(cost, held))
+    redis.set_repl(redis.REPL_NONE)
+    redis.call('HINCRBY', KEYS[1], 'held', 0 - held)
+    redis.call('HINCRBY', KEYS[1], 'available', held)
+    redis.call('HDEL', KEYS[2], ARGV[1])
+    redis.call('ZREM', KEYS[3], ARGV[1])
+    redis.set_repl(redis.REPL_ALL)
+    redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)
+    redis.call('HINCRBY', KEYS[1], 'spent', charge)
+  end
+  -- Ended ids are kept two minutes: longer than any retry of a settlement.
+  redis.call('ZADD', KEYS[6], tonumber(now[1]), ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', tonumber(now[1]) - 120)
 end
-local keep = tonumber(ARGV[8])
+local keep = tonumber(ARGV[9])
 if ARGV[1] == '' then
   -- No money moved: an approximately trimmed stream is exact enough.
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', keep, '*', 'type', 'usage', 'cost', 0,
-             'status', ARGV[3], 'details', ARGV[7])
+             'status', ARGV[4], 'details', ARGV[8])
 else
   redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', ARGV[1], 'held', held,
-             'cost', charge, 'status', ARGV[3], 'details', ARGV[7])
+             'cost', charge, 'status', ARGV[4], 'recovered', recovered, 'details', ARGV[8])
   -- Money entries beyond the retention move into the balance's checkpoint first, so the
   -- journal plus the checkpoint still add up to the balance (see Ledger.reconcile).
   if redis.call('XLEN', KEYS[4]) > keep + 100 then
@@ -53,14 +72,14 @@ else
     redis.call('HINCRBY', KEYS[1], 'trimmed_spent', spent)
   end
   local scopes = {'all|', 'd|' .. math.floor(tonumber(now[1]) / 86400) .. '|'}
-  if ARGV[4] ~= '' then scopes[3] = 'm|' .. ARGV[4] .. '|' end
+  if ARGV[5] ~= '' then scopes[3] = 'm|' .. ARGV[5] .. '|' end
   for _, scope in ipairs(scopes) do
     redis.call('HINCRBY', KEYS[5], scope .. 'requests', 1)
-    redis.call('HINCRBY', KEYS[5], scope .. 'prompt_tokens', tonumber(ARGV[5]))
-    redis.call('HINCRBY', KEYS[5], scope .. 'completion_tokens', tonumber(ARGV[6]))
+    redis.call('HINCRBY', KEYS[5], scope .. 'prompt_tokens', tonumber(ARGV[6]))
+    redis.call('HINCRBY', KEYS[5], scope .. 'completion_tokens', tonumber(ARGV[7]))
     redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge)
   end
 end
-local ttl = tonumber(ARGV[9])
+local ttl = tonumber(ARGV[10])
 if ttl > 0 then redis.call('EXPIRE', KEYS[4], ttl) end
 return charge

@@ -1,6 +1,6 @@
 -- Release every hold whose expiry has passed on Redis' clock (a crashed worker's), journaled.
 -- Holds are soft state (see admit.lua): the release is not persisted, its journal entry is.
--- KEYS: balance hash, holds hash, hold expiry zset, journal stream. ARGV: none.
+-- KEYS: balance hash, holds hash, hold expiry zset, journal stream, ended zset. ARGV: none.
 local now = redis.call('TIME')
 local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now[1])
 for _, id in ipairs(due) do
@@ -17,6 +17,7 @@ for _, id in ipairs(due) do
   if held then
     redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', id, 'held', held, 'cost', 0,
                'status', 'expired', 'details', '{}')
+    redis.call('ZADD', KEYS[5], tonumber(now[1]), id)  -- a late settle must not charge it
   end
 end
 return #due

@@ -1,0 +1,265 @@
+"""The HTTP server under the application: connection deadlines, a connection cap, JSON refusals.
+
+aiohttp alone keeps an idle connection for an hour, puts no deadline on a request head, waits
+forever for a client that stops reading, accepts until the process runs out of file descriptors,
+and answers malformed requests in text/plain echoing the offending bytes. `GatewayRunner` is
+aiohttp's AppRunner with its own connection class, `GatewayProtocol`, which adds ([server] in
+backends.toml, proxy.config.ServerSection):
+
+    header_timeout_s     a request head must be complete this long after the connection opens,
+                         or after its first byte on a kept-alive connection (aiohttp's own
+                         keep-alive timer also closes a connection whose next head is not
+                         complete keepalive_timeout_s after the previous response): 408 + close
+                         when part of a head arrived, a silent close when nothing did
+    keepalive_timeout_s  idle kept-alive connections close (aiohttp's timer, set from config)
+    write_timeout_s      a connection whose writes stay blocked this long (the client reads
+                         nothing) is cut; the handler is cancelled as for a client that left
+    max_connections      per worker; beyond it a connection gets 503 and is closed unserved
+    malformed requests   (aiohttp's parser errors) JSON in the documented shape, nothing echoed
+
+The body deadline lives where bodies are read (proxy.http.body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+from http import HTTPStatus
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+
+from proxy.appkeys import CONFIG
+from proxy.config import Config, ServerSection
+from proxy.errors import ErrorKind, GatewayError
+
+log = logging.getLogger("proxy")
+
+# Longest request line and header line. They differ by design: aiohttp reports both as
+# LineTooLong, and the limit it names tells a long URL (414) from a long header (431).
+REQUEST_LINE_MAX = 8192
+HEADER_LINE_MAX = 8190  # aiohttp's default
+# File descriptors a worker keeps for itself (listening socket, Redis, logs, probes), besides
+# client and upstream connections, when max_connections is fitted under the open-file limit.
+FD_HEADROOM = 256
+# A shed connection has had its 503 and a FIN; it is cut if the client does not close first.
+SHED_LINGER_S = 1.0
+
+
+def raw_response(error: GatewayError) -> bytes:
+    """A whole HTTP/1.1 response, written straight to a transport no request object exists for."""
+    body = error.json()
+    head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+            "Content-Type: application/json", f"Content-Length: {len(body)}",
+            "Connection: close", *(f"{k}: {v}" for k, v in error.headers.items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+_HEAD_TIMEOUT = raw_response(GatewayError(
+    ErrorKind.REQUEST_TIMEOUT, "the request head did not arrive in time"))
+_SHED = raw_response(GatewayError(
+    ErrorKind.UNAVAILABLE, "the gateway is at its connection limit; retry shortly",
+    headers={"Retry-After": "1"}))
+
+
+def refusal(exc: BaseException | None) -> GatewayError:
+    """A parser error as a public error: the right status, and none of the request's bytes."""
+    if isinstance(exc, LineTooLong):
+        if exc.args[1:2] == (REQUEST_LINE_MAX,):
+            return GatewayError(ErrorKind.URI_TOO_LONG,
+                                f"the request line is longer than {REQUEST_LINE_MAX} bytes")
+        return GatewayError(ErrorKind.HEADERS_TOO_LARGE,
+                            f"a request header is longer than {HEADER_LINE_MAX} bytes")
+    if isinstance(exc, BadHttpMethod) and not exc.message.startswith("Received HTTPS"):
+        # The parser knows every registered method: anything else is one we do not implement.
+        return GatewayError(ErrorKind.NOT_IMPLEMENTED, "the request method is not supported")
+    if isinstance(exc, BadHttpMessage) and exc.message == "Too many headers received":
+        return GatewayError(ErrorKind.HEADERS_TOO_LARGE, "the request has too many headers")
+    return GatewayError(ErrorKind.INVALID_REQUEST, "the request is not valid HTTP/1.1")
+
+
+class GatewayProtocol(RequestHandler):
+    """One client connection: aiohttp's handler plus the deadlines, the cap and JSON refusals."""
+
+    __slots__ = ("_gateway", "_head_started", "_head_timer", "_shed", "_write_timer")
+
+    def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._gateway = manager
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_started = False  # bytes of the awaited head have arrived
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._shed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._gateway.open_connections >= self._gateway.max_connections:
+            self._shed_connection(cast(asyncio.Transport, transport))
+            return
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        for timer in (self._head_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._write_timer = None
+        if not self._shed:  # a shed connection was never registered with the server
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._shed:
+            return
+        next_head = bool(data) and self._head_timer is None and self._awaiting_request()
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:
+            # A complete head (or a parse error, answered at once): the deadline is met.
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            self._head_started = False
+        elif next_head:
+            # The start of the next request on a kept-alive connection, not all of its head
+            # (a whole head in one read, the usual case, costs no timer).
+            self._head_started = True
+            self._arm_head_deadline()
+        elif data and self._head_timer is not None:
+            self._head_started = True
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_timer = self._loop.call_later(self._gateway.settings.write_timeout_s,
+                                                  self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's hook for requests the application never saw: parser errors (400) and a
+        handler that raised past the middleware (500). `message` carries request bytes: unused."""
+        if request.writer.output_size > 0:  # as aiohttp does: too late for another response
+            raise ConnectionError("the response has started; cannot send an error response")
+        if status == 400:
+            error = refusal(exc)
+            log.debug("refused a malformed request (%s)", type(exc).__name__)
+        else:
+            error = GatewayError(ErrorKind.INTERNAL_ERROR, "internal error")
+            log.error("unhandled error outside the application", exc_info=exc)
+        response = web.Response(status=error.status, body=error.json(),
+                                content_type="application/json", headers=error.headers)
+        response.force_close()
+        return response
+
+    def _awaiting_request(self) -> bool:
+        """Between requests: aiohttp waits on `_waiter` only while no request is in hand."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
+    def _arm_head_deadline(self) -> None:
+        self._head_timer = self._loop.call_later(self._gateway.settings.header_timeout_s,
+                                                 self._head_expired)
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport is None or self._force_close:
+            return
+        if self._head_started:  # a client mid-request is told why; a silent one just closed
+            self.transport.write(_HEAD_TIMEOUT)
+        self.force_close()
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        if self.transport is not None:
+            log.debug("cut a connection whose client read nothing for %.0f s",
+                      self._gateway.settings.write_timeout_s)
+            # Nothing more can reach this client: drop the buffer. aiohttp then cancels the
+            # handler, as for any client that went away (the pipeline settles what was sent).
+            self.transport.abort()
+
+    def _shed_connection(self, transport: asyncio.Transport) -> None:
+        """Over the cap: 503 and FIN without reading a request; cut after a short linger so the
+        client can read the answer before a reset."""
+        self._shed = True
+        transport.write(_SHED)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._head_timer = self._loop.call_later(SHED_LINGER_S, transport.abort)  # its one timer
+
+
+class GatewayServer(web.Server):
+    """aiohttp's Server making GatewayProtocol connections and counting the open ones."""
+
+    def __init__(self, *args: Any, settings: ServerSection, max_connections: int,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = settings
+        self.max_connections = max_connections
+        self.open_connections = 0
+
+    def __call__(self) -> GatewayProtocol:
+        return GatewayProtocol(self, loop=self._loop, **self._kwargs)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.open_connections += 1
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self.open_connections -= 1
+
+
+class GatewayRunner(web.AppRunner):
+    """AppRunner serving `app` with the [server] settings of its config (app[CONFIG])."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        config = app[CONFIG]
+        super().__init__(app, keepalive_timeout=config.server.keepalive_timeout_s,
+                         max_line_size=REQUEST_LINE_MAX, max_field_size=HEADER_LINE_MAX,
+                         **kwargs)
+        self.settings = config.server
+        self.max_connections = connection_cap(config)
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # the app's startup, then aiohttp's own Server
+        return GatewayServer(
+            plain.request_handler, request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation, settings=self.settings,
+            max_connections=self.max_connections,
+            **plain._kwargs,  # the connection options AppRunner assembled (timeouts, logging)
+        )
+
+
+def raise_fd_limit() -> None:
+    """Lift this process's soft open-file limit to the hard one (no privilege needed)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        # A container may refuse: connection_cap then fits the lower limit.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def connection_cap(config: Config) -> int:
+    """max_connections, lowered to fit under the open-file limit: a worker out of descriptors
+    cannot even accept a connection to refuse it. Each client connection may hold one upstream
+    connection (the backends' summed max_concurrency bounds those, when smaller), and the worker
+    keeps FD_HEADROOM for itself."""
+    wanted = config.server.max_connections
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    room = soft - FD_HEADROOM
+    upstream = min(sum(backend.max_concurrency for backend in config.backends), room // 2)
+    cap = max(1, min(wanted, room - upstream))
+    if cap < wanted:
+        log.warning("max_connections lowered from %d to %d to fit the open-file limit (%d); "
+                    "raise `ulimit -n` to allow more", wanted, cap, soft)
+    return cap

@@ -1,0 +1,55 @@
+"""schemathesis hooks for what the OpenAPI document states in words only, because JSON Schema
+cannot: a value that must name another value of the same request, and a header whose meaning
+is "the same request as before". Each touches schema-valid (positive) requests only, and only
+that one value; everything else schemathesis generates goes out as generated. One more keeps
+the run's own API key alive: schemathesis learns key ids from responses (GET /v2/account,
+GET /admin/keys) and would revoke the key every other request is made with.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import schemathesis
+from schemathesis import Case, Response
+from schemathesis.core.failures import Failure, ServerError
+from schemathesis.hooks import HookContext
+
+from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
+from proxy.credits.idempotency import MAX_KEY_LENGTH
+
+
+@schemathesis.hook
+def filter_case(context: HookContext, case: Case) -> bool:
+    own = os.environ.get("ST_KEY_ID")
+    return not (case.method == "DELETE" and (case.path_parameters or {}).get("key_id") == own)
+
+
+@schemathesis.hook
+def map_case(context: HookContext, case: Case) -> Case:
+    if case.meta is None or not case.meta.generation.mode.is_positive:
+        return case
+    _fresh_idempotency_key(case)
+    return case
+
+
+def _fresh_idempotency_key(case: Case) -> None:
+    """An Idempotency-Key means "this very request again": the same key with another body is
+    refused (422), as documented. Generated cases would reuse keys across bodies by chance, so a
+    valid key gets a value of its own."""
+    headers = case.headers or {}
+    key = headers.get(IDEMPOTENCY_KEY)
+    if isinstance(key, str) and 0 < len(key) <= MAX_KEY_LENGTH:
+        headers[IDEMPOTENCY_KEY] = f"st-{uuid.uuid4().hex}"
+
+
+@schemathesis.hook
+def filter_failure(context: HookContext, failure: Failure, case: Case,
+                   response: Response) -> bool:
+    """`async: true` is answered 501 until async chat tasks exist (documented on each chat
+    route): a deliberate refusal that not_a_server_error counts as a crash. Only that failure
+    of only those requests is dropped; the run's summary counts it."""
+    deliberate = (isinstance(failure, ServerError) and response.status_code == 501
+                  and isinstance(case.body, dict) and case.body.get("async") is True)
+    return not deliberate

@@ -1,0 +1,103 @@
+"""What the document bounds, as the gateway holds to it: a usage page size or `before` outside
+them is the caller's 400 (never a 503 "store down"), credit amounts and account names are
+checked before the ledger sees them, the served document names today's tiers, and an integer
+written 1.0 is taken and sent on as 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
+from tests.test_pipeline import sim_requests
+
+ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
+
+
+@pytest.fixture
+async def gw(gateway: GatewayFactory, simulator: SimulatorFactory,
+             monkeypatch: pytest.MonkeyPatch) -> TestServer:
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "admin-token-for-tests")
+    return await gateway(await simulator())
+
+
+async def call(gw: TestServer, method: str, path: str, **kwargs: Any
+               ) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.request(
+            method, gw.make_url(path), **kwargs) as response:
+        return response.status, await response.json()
+
+
+async def test_usage_pages_are_bounded_and_before_is_checked(gw: TestServer) -> None:
+    key = {"X-API-Key": gw.api_key}  # type: ignore[attr-defined]
+    await call(gw, "POST", "/admin/accounts/acct-test/credits", headers=ADMIN,
+               json={"amount": "1"})  # one journal entry
+    for limit in ("0", "201", "x", "1.5"):
+        status, body = await call(gw, "GET", f"/v2/account/usage?limit={limit}", headers=key)
+        assert (status, body["error"]["type"]) == (400, "invalid_request"), limit
+    for before in ("x", "1-", "-1-0", "1-2-3"):
+        status, body = await call(gw, "GET", "/v2/account/usage", headers=key,
+                                  params={"before": before})
+        assert (status, body["error"]["type"]) == (400, "invalid_request"), before
+    status, body = await call(gw, "GET", "/v2/account/usage?limit=200&before=0-0", headers=key)
+    assert status == 200 and body["entries"] == []  # nothing precedes the first id
+    status, newest = await call(gw, "GET", "/v2/account/usage?before=", headers=key)
+    assert status == 200 and len(newest["entries"]) == 1
+    status, body = await call(gw, "GET", "/v2/account/usage", headers=key,
+                              params={"before": "99999999999999999999-0"})
+    assert status == 200 and body["entries"] == newest["entries"]  # later than any id
+
+
+async def test_credit_amounts_and_accounts_are_checked(gw: TestServer) -> None:
+    path = "/admin/accounts/acme/credits"
+    for amount in ("1.1234567", "1e3", " 5", "NaN", "", "1234567890"):
+        status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": amount})
+        assert status == 422 and body["detail"][0]["loc"] == ["body", "amount"], amount
+    status, body = await call(gw, "POST", "/admin/accounts/no%20spaces/credits", headers=ADMIN,
+                              json={"amount": "1"})
+    assert status == 422 and body["detail"][0]["loc"] == ["path", "account"]
+    status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": "-0.5"})
+    assert (status, body["error"]["type"]) == (409, "conflict")  # below zero
+    status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": "2.5"})
+    assert status == 201 and body["available"]["micro_credits"] == 2_500_000
+
+
+async def test_served_document_names_the_tiers_and_models_of_now(
+        gw: TestServer, tmp_path: Path) -> None:
+    def tier_enum(doc: dict[str, Any]) -> list[str]:
+        return list(doc["components"]["schemas"]["CreateKeyBody"]["properties"]["tier"]["enum"])
+
+    _, doc = await call(gw, "GET", "/v2/openapi.json")
+    assert tier_enum(doc) == ["max"]  # the test tiers: guest (no keys) and max
+    example = doc["paths"]["/v2/compat/v1/chat/completions"]["post"]["requestBody"]
+    assert example["content"]["application/json"]["example"]["model"] == MODEL
+    tiers = tmp_path / "config" / "policies" / "tiers.toml"
+    tiers.write_text(tiers.read_text() + '\n[tiers.basic]\nrequests_per_minute = 5\n'
+                     'families = ["chat"]\nmodels = { "*" = ["direct"] }\n')
+    assert (await call(gw, "POST", "/admin/reload", headers=ADMIN))[0] == 200
+    _, doc = await call(gw, "GET", "/v2/openapi.json")
+    assert tier_enum(doc) == ["basic", "max"]
+    status, _ = await call(gw, "POST", "/admin/keys", headers=ADMIN,
+                           json={"account": "new", "tier": "basic"})
+    assert status == 201
+
+
+@pytest.mark.parametrize("path", ["/v2/compat/v1/chat/completions",
+                                  "/v2/served/v1/chat/completions"])
+async def test_integers_written_as_floats_are_sent_on_as_integers(
+        gateway: GatewayFactory, simulator: SimulatorFactory, path: str) -> None:
+    # The document says "integer", and JSON Schema takes 1.0 as one; TGI's serde would not.
+    sim = await simulator("tgi")
+    gw = await gateway(sim, kind="tgi")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8.0,
+            "seed": 7.0, "temperature": 1.0}
+    status, _ = await call(gw, "POST", path, json=body,
+                           headers={"X-API-Key": gw.api_key})  # type: ignore[attr-defined]
+    assert status == 200
+    seen = (await sim_requests(sim))[-1]["body"]
+    assert seen["max_tokens"] == 8 and isinstance(seen["max_tokens"], int)
+    assert seen["seed"] == 7 and isinstance(seen["seed"], int)

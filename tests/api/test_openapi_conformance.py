@@ -1,0 +1,120 @@
+"""The OpenAPI document says what the gateway does: schemathesis, every check, over every
+operation of GET /v2/openapi.json, against a real `serve` process in front of a real simulator,
+with a max-tier key that has credits and the admin token.
+
+Bounded and deterministic: a fixed seed and a few examples per operation, under a minute
+on two cores (settings in tests/api/schemathesis.toml). What JSON Schema cannot state is handled
+in tests/api/schemathesis_hooks.py, each case with its reason; no check is switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import GENEROUS_TIERS, MODEL, free_port, write_config
+from tests.runtime.test_serve_cli import wait_until_ready
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+SEED = 20260101
+EXAMPLES = 40  # per operation and phase: under a minute on two cores
+CREDITS = "1000000"
+
+
+class Stack:
+    def __init__(self, base: str, folder: Path, env: dict[str, str]) -> None:
+        self.base, self.folder, self.env = base, folder, env
+
+    def cli(self, *args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "proxy", *args, "--config", str(self.folder)],
+                              capture_output=True, text=True, timeout=60, env=self.env, check=True)
+        return done.stdout
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    sim_port, gw_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
+           "GATEWAY_ADMIN_TOKEN": secrets.token_urlsafe(24)}
+    env.pop("GATEWAY_REDIS_URL", None)
+    folder = write_config(
+        tmp_path / "config",
+        [{"name": "chat-a", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}",
+          "models": [MODEL]}],
+        gateway={"port": gw_port, "data_dir": str(tmp_path / "data"), "workers": 1},
+        policies={"tiers.toml": GENEROUS_TIERS})  # rate limits must not answer for the schema
+    sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
+                            str(sim_port), "--model", MODEL], env=env)
+    gateway = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config", str(folder)],
+                               env=env)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
+        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway)
+        yield Stack(f"http://127.0.0.1:{gw_port}", folder, env)
+    finally:
+        for proc in (gateway, sim):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(15)
+
+
+def statuses(report: Path) -> Counter[tuple[str, str, int]]:
+    """(operation, generation mode, status) of every response in schemathesis' NDJSON events."""
+    seen: Counter[tuple[str, str, int]] = Counter()
+    for line in report.read_text().splitlines():
+        event = json.loads(line)
+        recorder = (event.get("ScenarioFinished") or {}).get("recorder") or {}
+        interactions = recorder.get("interactions") or {}
+        for case_id, node in (recorder.get("cases") or {}).items():
+            case = node.get("value", node)
+            interaction = interactions.get(case_id) or {}
+            response = interaction.get("response")
+            mode = ((case.get("meta") or {}).get("generation") or {}).get("mode", "")
+            if response is not None:
+                seen[(f"{case['method']} {case['path']}", mode, response["status_code"])] += 1
+    return seen
+
+
+@pytest.mark.timeout(600)
+def test_schemathesis_all_checks_every_operation(stack: Stack, tmp_path: Path) -> None:
+    key = stack.cli("keys", "create", "--account", "conformance", "--tier", "max").split()[0]
+    stack.cli("credits", "add", "--account", "conformance", "--amount", CREDITS)
+    account = httpx.get(f"{stack.base}/v2/account", headers={"X-API-Key": key}, timeout=10)
+    assert account.status_code == 200, account.text
+    reports = tmp_path / "reports"
+    env = {**stack.env, "ST_API_KEY": key, "ST_KEY_ID": account.json()["key_id"],
+           "ST_ADMIN_TOKEN": stack.env["GATEWAY_ADMIN_TOKEN"]}
+    run = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "--config-file", str(HERE / "schemathesis.toml"),
+         "run", f"{stack.base}/v2/openapi.json", "--checks", "all", "--seed", str(SEED),
+         "--max-examples", str(EXAMPLES),
+         # Every path: schemathesis leaves out the operation that serves the document unless
+         # a filter names it.
+         "--include-path-regex", "^/",
+         "--no-color", "--report", "ndjson", "--report-dir", str(reports)],
+        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
+    if run.returncode != 0:
+        pytest.fail(f"schemathesis found differences:\n{run.stdout[-30000:]}\n{run.stderr[-5000:]}")
+
+    # The run must have reached every operation's success path, or "no failures" means little
+    # (a revoked key, say, would make every user route a 401 and pass the checks).
+    seen = statuses(next(reports.glob("*.ndjson")))
+    operations = json.loads(httpx.get(f"{stack.base}/v2/openapi.json", timeout=10).text)["paths"]
+    for path, methods in operations.items():
+        for method in methods:
+            label = f"{method.upper()} {path}"
+            ok = sum(n for (op, mode, status), n in seen.items()
+                     if op == label and mode == "positive" and 200 <= status < 300)
+            assert ok, f"{label}: no schema-valid request succeeded"
+    # Whatever schemathesis spent and refunded, the ledger still adds up.
+    stack.cli("credits", "reconcile")

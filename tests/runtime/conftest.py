@@ -1,0 +1,19 @@
+"""Fixtures for tests that run the real `serve` process tree."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.test_fleet import Stack
+
+
+@pytest.fixture
+def stacks(tmp_path: Path) -> Iterator[list[Stack]]:
+    """`serve` trees started by a test; each is stopped (and its children killed) at the end."""
+    started: list[Stack] = []
+    yield started
+    for stack in started:
+        stack.close()

@@ -22,7 +22,10 @@ request by request. Differences kept on purpose:
 - A prompt over the context is judged by tokens only (vLLM first rejects a prompt of more
   characters than the context could hold, naming `input_text`); pydantic errors (missing
   `messages`, malformed JSON) are worded differently, with the same 400.
-- Death is noticed at once (vLLM's /health may still say 200 for a moment).
+- Death is noticed at once (vLLM's /health may still say 200 for a moment), and live streams
+  always get the error event (vLLM's may be cut instead when its server exits first).
+- A full queue always refuses before the response starts; vLLM sometimes admits a stream and
+  then refuses it in-band (200, a 503 error event) when the queue filled in between.
 - /metrics serves the families a gateway reads, not all of vLLM's (no `_created` series, no
   `http_*`, `process_*`, `cache_config_info` or per-phase histograms).
 - Not served: `/v1/completions`, `/tokenize`, `/detokenize`, `/load`,

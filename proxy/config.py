@@ -248,6 +248,9 @@ class Rates(_Section, frozen=True):
     """Prices in micro-credits (1 credit = 1,000,000 micro-credits); integers, never floats."""
 
     prompt_per_1k_tokens: MicroCredits = 0
+    # Prompt tokens the engine found in its prefix cache (vLLM reports them with
+    # --enable-prompt-tokens-details); unset: the prompt price.
+    cached_prompt_per_1k_tokens: MicroCredits | None = None
     completion_per_1k_tokens: MicroCredits = 0
     per_1k_characters: MicroCredits = 0  # TTS input
     per_audio_second: MicroCredits = 0  # ASR

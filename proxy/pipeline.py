@@ -1,9 +1,15 @@
 """The request path of every chat route, in one function.
 
-    auth (401) -> parse + validate (400/413/415/422) -> model + tier access (404/403)
-    -> admission: rate limit (429) + credit hold (402), one Redis step -> idempotency (409/replay)
-    -> route (503) -> translate -> upstream (502/503/504, one retry before the first byte)
-    -> relay (JSON, or a stream event by event) -> meter + settle (queued, exactly once)
+    auth (401) -> parse + validate (400/413/415/422) -> model (404), its engines' context (422)
+    + tier access (403) -> admission: rate limit (429) + credit hold (402), one Redis step
+    -> idempotency (409/replay) -> route (503) -> translate -> upstream (502/503/504, one retry
+    on another backend before the client's first byte) -> relay (JSON, or a stream event by
+    event) -> meter + settle (queued, exactly once)
+
+The completion cap the hold assumes (the client's, else the tier's, else `default_max_tokens`)
+is what the upstream gets, bounded by the context its engines report (`Pool.context_limit`,
+learned in the background by the prober): a request that names no cap fits, one that names
+more than the context is refused here.
 
 A request refused before admission is still counted against the caller's rate limit, and its 429
 beats its own error (DESIGN §6: every identified attempt counts, the limit is checked first).
@@ -49,7 +55,8 @@ from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, completion_cap, tier_of
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import wire
-from proxy.upstream.pool import Pool
+from proxy.upstream.client import UpstreamFailure
+from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.relay import relay_stream
 from proxy.validate import RequestInvalid
 
@@ -78,6 +85,8 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
         call = _parsed(style, parse_json_object(raw))
         pool = app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access
+        context = pool.context_limit()  # the engines' own limit (read by the prober)
+        _check_context(call, context)
         check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
                      mode="network" if call.mode == "network" else "direct")
         mode = _direct_mode(call)
@@ -92,6 +101,8 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
 
     prices = snapshot.policies.prices
     cap = cap or prices.default_max_tokens  # what the hold assumes is what the upstream gets
+    if context is not None:
+        cap = min(cap, context)  # the engine stops at its context anyway: hold no more
     request_id = request[REQUEST_ID]
     meter = open_chat_meter(prices, principal, call.model, call.openai_body, cap, mode,
                             style.name, request_id)
@@ -200,21 +211,36 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: 
     reply_headers = {**request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request_id,
                      "X-Task-Id": task_id}
     result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
-    async with app[UPSTREAMS].call(
-        pool, CHAT_UPSTREAM_PATH,
-        lambda backend: wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap),
-        headers, request.headers,
-    ) as (backend, upstream):
-        if call.stream:
-            result.chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
+
+    def body_for(backend: Backend) -> bytes:
+        return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap)
+
+    async def relay(backend: Backend, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        if not call.stream:
+            return await _complete(request, style, call, backend, upstream, task_id, mode,
+                                   reply_headers, result)
+        result.chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
+        try:
             response, stream = await relay_stream(
                 request, upstream, result.chunks, style.encoder(call, task_id), reply_headers,
                 capture=result.captured, max_s=app[CONFIG].upstream.max_stream_s,
             )
-            result.status = stream.outcome
-            return response
-        completion = await _read_completion(upstream)
-    completion = wire.fix_response(completion, backend.spec.kind, call.model)
+        except UpstreamFailure:
+            result.chunks = None  # nothing reached the client: nothing to charge
+            raise
+        result.status = stream.outcome
+        return response
+
+    return await app[UPSTREAMS].call(pool, CHAT_UPSTREAM_PATH, body_for, headers,
+                                     request.headers, relay)
+
+
+async def _complete(request: web.Request, style: ChatStyle, call: ChatCall, backend: Backend,
+                    upstream: aiohttp.ClientResponse, task_id: str, mode: str,
+                    reply_headers: dict[str, str], result: Result) -> web.Response:
+    """A whole (non-streamed) answer, read, rendered in the style and sent."""
+    completion = wire.fix_response(await _read_completion(upstream), backend.spec.kind,
+                                   call.model)
     body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
     response = web.Response(body=body, content_type="application/json", headers=reply_headers)
     result.status = Outcome.CLIENT_GONE  # until the answer is out
@@ -229,6 +255,17 @@ def _parsed(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
         return style.parse(body)
     except RequestInvalid as exc:
         raise validation_failed(exc.detail) from None
+
+
+def _check_context(call: ChatCall, context: int | None) -> None:
+    """422 for a cap no engine of the pool can give: prompt and completion share its context
+    (vLLM refuses it with a 400; better refused here, before anything is held)."""
+    if context is not None and call.max_tokens is not None and call.max_tokens > context:
+        raise validation_failed([{
+            "loc": list(call.cap_loc), "type": "less_than_equal",
+            "msg": f"Input should be less than or equal to {context}, the model's context "
+                   f"length (prompt and completion together)",
+        }])
 
 
 def _direct_mode(call: ChatCall) -> str:
@@ -246,9 +283,9 @@ async def _read_completion(upstream: aiohttp.ClientResponse) -> dict[str, Any]:
     except (aiohttp.ServerTimeoutError, TimeoutError):
         raise GatewayError(ErrorKind.UPSTREAM_TIMEOUT, "the model server did not finish in time")\
             from None
-    except aiohttp.ClientError:
-        raise GatewayError(ErrorKind.UPSTREAM_ERROR, "the model server broke off its answer")\
-            from None
+    except aiohttp.ClientError:  # nothing reached the client yet: another backend may answer
+        raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR, "the model server broke off its answer",
+                              retryable=True) from None
     try:
         completion = orjson.loads(raw)
     except orjson.JSONDecodeError:

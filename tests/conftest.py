@@ -23,6 +23,7 @@ from proxy.identity.keystore import KeyStore
 from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
+from proxy.simulators.runtime import STATE as SIM_STATE
 
 MODEL = "acme/small-chat"
 
@@ -48,6 +49,18 @@ async def new_key(redis_url: str, tier: str = "max", account: str = "acct-test")
     finally:
         await redis.aclose()
     return raw
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-engine tier runs last, so its replicas live only while it runs (they start on
+    first use and stop at the session's end), and within it the tests that kill an engine run
+    after the others, which then need no restart."""
+
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        return (item.get_closest_marker("real_engine") is not None,
+                item.get_closest_marker("kills_engine") is not None)
+
+    items.sort(key=rank)  # stable: the rest keep their order
 
 
 def free_port() -> int:
@@ -118,9 +131,13 @@ class GatewayTestServer(TestServer):
 async def simulator(aiohttp_server: Any) -> AsyncIterator[SimulatorFactory]:
     async def start(kind: str = "vllm", models: tuple[str, ...] = (MODEL,), **options: Any
                     ) -> TestServer:
-        server: TestServer = await aiohttp_server(
-            build_simulator(kind, SimConfig(models=models, **options))
-        )
+        app = build_simulator(kind, SimConfig(models=models, **options))
+        server: TestServer = await aiohttp_server(app)
+
+        async def close_port() -> None:  # an engine death ends the server, as vLLM exits
+            await server.close()
+
+        app[SIM_STATE].close_port = close_port
         return server
 
     yield start

@@ -15,6 +15,7 @@ from proxy.http.sse import SSEDecoder
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
 
 CHAT = "/v2/compat/v1/chat/completions"
+PROBE_AGENT = "inference-gateway-health"
 HELLO = [{"role": "user", "content": "Say hello to the world."}]
 
 
@@ -26,9 +27,11 @@ def client_for(gateway: TestServer, **options: Any) -> openai.AsyncOpenAI:
 
 
 async def sim_requests(sim: TestServer) -> list[dict[str, Any]]:
+    """What clients' requests sent the simulator (the gateway's health probes left out: a
+    failure wakes one, and deep probes are generations too)."""
     async with aiohttp.ClientSession() as session, session.get(sim.make_url("/_sim/requests")) as r:
         records: list[dict[str, Any]] = await r.json()
-        return records
+        return [r for r in records if r["headers"].get("user-agent") != PROBE_AGENT]
 
 
 async def post(gateway: TestServer, body: Any, headers: dict[str, str] | None = None,
@@ -259,14 +262,27 @@ async def test_retry_once_on_another_backend_before_first_byte(
     assert len(await sim_requests(healthy)) == 6
 
 
-async def test_no_retry_after_a_generation_failure(simulator: SimulatorFactory,
-                                                   gateway: GatewayFactory) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_server_error_before_the_first_byte_is_retried_once_elsewhere(
+    simulator: SimulatorFactory, gateway: GatewayFactory, stream: bool
+) -> None:
     a, b = await simulator(), await simulator()
     gw = await gateway(a, b)
-    status, _, _ = await post(gw, {"model": MODEL, "messages": HELLO},
+    status, _, _ = await post(gw, {"model": MODEL, "messages": HELLO, "stream": stream},
                               headers={"x-sim-status": "500"})
+    assert status == 502  # the fault header travels along: the second try fails too
+    # A dead engine's 500 (issue 18): the other backend is tried once, and no more.
+    assert (len(await sim_requests(a)), len(await sim_requests(b))) == (1, 1)
+
+
+async def test_a_generation_failure_is_not_retried(simulator: SimulatorFactory,
+                                                   gateway: GatewayFactory) -> None:
+    a, b = await simulator("tgi"), await simulator("tgi")
+    gw = await gateway(a, b, kind="tgi")
+    status, _, _ = await post(gw, {"model": MODEL, "messages": HELLO},
+                              headers={"x-sim-status": "424"})
     assert status == 502
-    # A 500 may have run (and cost) a generation: it is never repeated elsewhere.
+    # TGI's 424: the request itself may be what fails; it is not repeated elsewhere.
     assert len(await sim_requests(a)) + len(await sim_requests(b)) == 1
 
 

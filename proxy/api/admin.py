@@ -217,6 +217,7 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "restarts": record.restarts if record is not None else 0,
         "pid": record.pid if record is not None else None,
         "last_probe": {"kind": last[0].value, "ok": last[1]} if last is not None else None,
+        "max_model_len": dict(backend.max_model_len),  # as the engine reports it (vLLM)
     }
 
 

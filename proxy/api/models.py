@@ -56,7 +56,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 def _price(rates: Rates, version: str) -> dict[str, Any]:
-    fields = ("prompt_per_1k_tokens", "completion_per_1k_tokens", "per_1k_characters",
+    fields = ("prompt_per_1k_tokens", "cached_prompt_per_1k_tokens", "completion_per_1k_tokens",
+              "per_1k_characters",
               "per_audio_second", "per_image", "per_video_second")
     price = {name: getattr(rates, name) for name in fields if getattr(rates, name)}
     return {"unit": "micro-credits", "version": version, **price}

@@ -250,6 +250,9 @@ def _chat(summary: str, description: str, request: type, family: Family,
             **errors(family, *_CHAT_ERRORS),
             400: error(family, 400, "The body is not JSON or not a JSON object (invalid_json), "
                                     "or the model server refused it (invalid_request)"),
+            422: error(family, 422, "Schema or usage-rule failure (validation_error), every "
+                                    "fault listed; also a completion cap beyond the model's "
+                                    "context length, as its engines report it"),
             409: error(family, 409, headers={"Retry-After": RETRY_AFTER}),
         },
     )

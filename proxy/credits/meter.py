@@ -76,6 +76,7 @@ class ChatMeter:
         details = {
             **self.details,
             "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
             "completion_tokens": usage.completion_tokens,
             "estimated": usage.estimated,
             "price": cost,

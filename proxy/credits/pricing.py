@@ -2,7 +2,9 @@
 
 Money is integer micro-credits (1 credit = 1,000,000). Rounding has one rule: a request's cost
 is computed exactly as (tokens * price per 1k) summed over its parts, then divided by 1000 and
-rounded UP once, per request. A charge never exceeds the request's hold.
+rounded UP once, per request. A charge never exceeds the request's hold. Prompt tokens the
+engine served from its prefix cache (`usage.prompt_tokens_details.cached_tokens`) are one part
+with their own price (`cached_prompt_per_1k_tokens`, by default the prompt price).
 
 The hold is the worst case: an upper bound on the prompt (its UTF-8 byte count: no tokenizer
 makes more tokens than bytes) plus the completion cap for each of the `n` choices.
@@ -31,18 +33,29 @@ class ChatUsage:
     prompt_tokens: int
     completion_tokens: int
     estimated: bool = False  # True when counted by the gateway rather than reported upstream
+    cached_tokens: int = 0  # of the prompt tokens, served from the engine's prefix cache
+
+
+def cached_prompt_price(rates: Rates) -> int:
+    cached = rates.cached_prompt_per_1k_tokens
+    return rates.prompt_per_1k_tokens if cached is None else cached
 
 
 def chat_cost(rates: Rates, usage: ChatUsage) -> int:
-    exact = (usage.prompt_tokens * rates.prompt_per_1k_tokens
+    cached = min(usage.cached_tokens, usage.prompt_tokens)
+    exact = ((usage.prompt_tokens - cached) * rates.prompt_per_1k_tokens
+             + cached * cached_prompt_price(rates)
              + usage.completion_tokens * rates.completion_per_1k_tokens)
     return -(-exact // 1000)
 
 
 def chat_hold(rates: Rates, body: dict[str, Any], max_tokens: int) -> int:
+    """The worst case: every prompt token at the dearer of the two prompt prices."""
     choices = body.get("n")
     n = choices if isinstance(choices, int) and choices > 0 else 1
-    return chat_cost(rates, ChatUsage(prompt_upper_bound(body), max_tokens * n))
+    exact = (prompt_upper_bound(body) * max(rates.prompt_per_1k_tokens, cached_prompt_price(rates))
+             + max_tokens * n * rates.completion_per_1k_tokens)
+    return -(-exact // 1000)
 
 
 def prompt_upper_bound(body: dict[str, Any]) -> int:
@@ -65,7 +78,14 @@ def usage_from(reported: object) -> ChatUsage | None:
     prompt, completion = reported.get("prompt_tokens"), reported.get("completion_tokens")
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return ChatUsage(max(0, prompt), max(0, completion))
+    return ChatUsage(max(0, prompt), max(0, completion), cached_tokens=cached_tokens(reported))
+
+
+def cached_tokens(usage: object) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` (OpenAI's and vLLM's), 0 when absent."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int and cached > 0 else 0
 
 
 def parse_credits(text: str) -> int:

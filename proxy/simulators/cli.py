@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 from typing import Any
 
 from aiohttp import web
 
 from proxy.simulators import KINDS, SimConfig, build_app
+from proxy.simulators.runtime import STATE
 
 DEFAULT_PORTS = {"tgi": 3000, "vllm": 8000}
 DEFAULT_MODEL = "acme/small-chat"
@@ -58,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="natural completion length (x-sim-tokens overrides per request)",
     )
+    vllm = parser.add_argument_group("vllm", "engine options named as `vllm serve` names them")
+    vllm.add_argument("--max-model-len", type=int, default=32768,
+                      help="the context: prompt + completion tokens")
+    vllm.add_argument("--max-num-queued-reqs", type=int, default=None, dest="max_queued",
+                      help="requests in flight (running and waiting) beyond which it answers 503")
+    vllm.add_argument("--enable-prompt-tokens-details", action="store_true",
+                      help="report usage.prompt_tokens_details.cached_tokens")
+    vllm.add_argument("--block-size", type=int, default=16,
+                      help="prefix-cache block: a repeated prompt hits in whole blocks")
 
 
 def config_from(args: argparse.Namespace) -> SimConfig:
@@ -69,6 +81,10 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         startup_delay_s=args.startup_delay,
         fail_generation=args.fail_generation,
         default_completion_tokens=args.completion_tokens,
+        max_model_len=args.max_model_len,
+        max_queued=args.max_queued,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        block_size=args.block_size,
     )
 
 
@@ -90,8 +106,15 @@ def run(args: argparse.Namespace) -> int:
     def announce(*_args: Any, **_kwargs: Any) -> None:
         print(banner, flush=True)
 
+    app = build_app(args.kind, config)
+
+    async def exit_server() -> None:
+        # An engine death ends the server as it ends vLLM's: the port closes, the process exits.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app[STATE].close_port = exit_server
     web.run_app(
-        build_app(args.kind, config),
+        app,
         host=args.host,
         port=port,
         access_log=None,

@@ -134,7 +134,8 @@ _TGI_TYPES = {
     500: ("incomplete_generation", "Incomplete generation"),
     503: ("healthcheck", "unhealthy"),
 }
-_VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+_VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               503: "Service Unavailable"}
 
 
 def _phrase(status: int) -> str:
@@ -152,7 +153,8 @@ def tgi_error_type(status: int) -> str:
 
 
 def error_response(
-    kind: str, status: int, message: str | None = None, error_type: str | None = None
+    kind: str, status: int, message: str | None = None, error_type: str | None = None,
+    param: str | None = None,
 ) -> web.Response:
     """The server's own JSON error envelope (protocols.md §2.5 for TGI, §3.5 for vLLM)."""
     if kind == "tgi":
@@ -166,7 +168,7 @@ def error_response(
             "error": {
                 "message": message or f"simulated {status} {phrase}".rstrip(),
                 "type": error_type,
-                "param": None,
+                "param": param,
                 "code": status,
             }
         }

@@ -10,13 +10,15 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
 
 from proxy.simulators.runtime import (
+    ENGINE_DEAD,
+    ENGINE_DEAD_TYPE,
     BadRequest,
     ErrorEvents,
     EventWriter,
@@ -43,6 +45,25 @@ JsonObj = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class StreamExtras:
+    """Fields a server's chunks carry beyond OpenAI's (vLLM: `prompt_token_ids` on the role
+    chunk, `token_ids` on each token's choice, `system_fingerprint` on the last chunk)."""
+
+    role_chunk: Mapping[str, object] = field(default_factory=dict)
+    choice: Mapping[str, object] = field(default_factory=dict)
+    last_chunk: Mapping[str, object] = field(default_factory=dict)
+
+
+UsageExtra = Callable[[Exchange, bool], JsonObj]  # (exchange, whole answer?) -> usage fields
+# Server-side checks once the model is known; returns the completion limit to generate to.
+Check = Callable[[Exchange, "ChatRequest"], "int | None"]
+
+
+def no_usage_extra(_ex: Exchange, _whole: bool) -> JsonObj:
+    return {}
+
+
+@dataclass(frozen=True)
 class Dialect:
     kind: str
     sse_prefix: bytes  # b"data: " (Starlette) or b"data:" (axum)
@@ -51,7 +72,7 @@ class Dialect:
     system_fingerprint: str | None  # None: key absent
     role_chunk: bool  # a first {"role","content":""} chunk per choice
     role_in_deltas: bool  # every delta repeats "role"
-    finish_chunk: bool  # finish_reason in its own chunk, not on the last token's
+    finish_chunk: frozenset[str]  # finishes (internal names) reported in a chunk of their own
     finish_names: Mapping[str, str]  # internal (TGI) finish reason → this server's
     stop_reason: bool  # choices[].stop_reason: the matched stop string or null
     null_usage_in_chunks: bool  # "usage":null on every chunk (else absent)
@@ -63,11 +84,14 @@ class Dialect:
     tool_function_extra: Mapping[str, object]
     message_extra: Mapping[str, object]
     response_extra: Mapping[str, object]
-    usage_extra: Mapping[str, object]
+    usage_extra: UsageExtra
     tools_exclude_response_format: bool
     generation_failure: tuple[int, str, str]  # (status, message, error_type)
     error_events: ErrorEvents
     headers: Callable[[Exchange, int | None], Mapping[str, str]]  # generated tokens or None
+    choice_extra: Mapping[str, object] = field(default_factory=dict)  # whole answers' choices
+    stream_extras: StreamExtras = StreamExtras()
+    check: Check | None = None
 
 
 class ChatRequest(NamedTuple):
@@ -85,6 +109,8 @@ class ChatRequest(NamedTuple):
     tool_choice: object
     response_format: object
     thinking: bool
+    ignore_eos: bool  # vLLM: generate to the cap, whatever the model "wants"
+    cap_field: str  # which of max_completion_tokens / max_tokens named the cap
 
 
 def _stops(stop: object) -> tuple[str, ...]:
@@ -109,11 +135,14 @@ def parse_chat(raw: bytes) -> ChatRequest:
             raise BadRequest("messages: every message needs a string `role`", "type")
         if not isinstance(message.get("content"), str | list | None):
             raise BadRequest("messages: `content` must be a string or an array", "type")
-    max_tokens = opt(body, "max_completion_tokens", int)
+    cap_field = "max_completion_tokens"
+    max_tokens = opt(body, cap_field, int)
     if max_tokens is None:
-        max_tokens = opt(body, "max_tokens", int)
+        cap_field = "max_tokens"
+        max_tokens = opt(body, cap_field, int)
     if max_tokens is not None and max_tokens < 1:
-        raise BadRequest("`max_tokens` must be at least 1", "value")
+        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "value",
+                         "max_tokens", max_tokens)
     n = opt(body, "n", int)
     n = 1 if n is None else n
     if not 1 <= n <= 128:
@@ -139,6 +168,8 @@ def parse_chat(raw: bytes) -> ChatRequest:
         tool_choice=body.get("tool_choice"),
         response_format=body.get("response_format"),
         thinking=kwargs.get("enable_thinking") is True,
+        ignore_eos=opt(body, "ignore_eos", bool) is True,
+        cap_field=cap_field,
     )
 
 
@@ -148,21 +179,28 @@ def chat_handler(d: Dialect) -> Handler:
         models = ex.config.models
         model = (req.model or models[0]) if d.strict_model else models[0]
         if model not in models:
-            raise HttpError(404, f"The model `{model}` does not exist.", "NotFoundError")
+            raise HttpError(404, f"The model `{model}` does not exist. Valid aliases: "
+                            f"{', '.join(models)}.", "NotFoundError", "model")
         if d.tools_exclude_response_format and req.tools and req.response_format is not None:
             raise HttpError(422, "Grammar and tools are mutually exclusive", "tool_error")
         ex.model = model
         ex.prompt_tokens = prompt_tokens(req.messages)
         ex.prompt_chars = sum(len(content_text(m.get("content"))) for m in req.messages)
         key = prompt_key(model, req.messages)
+        limit = req.max_tokens if d.check is None else d.check(ex, req)
+        if d.check is not None:
+            ex.cached_tokens, ex.created_cache_tokens = ex.state.cache.lookup(
+                key, ex.prompt_tokens)
+        # ignore_eos: the "model" would go on past the cap, so the cap ends it (length).
+        natural = limit + 1 if req.ignore_eos and limit is not None else ex.natural_tokens
         tool = pick_tool(req.tools, req.tool_choice)
         thinking = d.reasoning and req.thinking
         ex.generations = [
             generate(
                 key,
                 req.seed + i,
-                natural=ex.natural_tokens,
-                limit=req.max_tokens,
+                natural=natural,
+                limit=limit,
                 stop=req.stop,
                 tool=tool,
                 reasoning=thinking,
@@ -188,15 +226,15 @@ def _logprob(d: Dialect, token: str, top: int) -> JsonObj:
     return first
 
 
-def _usage(d: Dialect, prompt: int, generations: Sequence[Generation], extra: bool) -> JsonObj:
+def _usage(d: Dialect, ex: Exchange, generations: Sequence[Generation], whole: bool) -> JsonObj:
     completion = sum(g.completion_tokens for g in generations)
+    prompt = ex.prompt_tokens
     usage: JsonObj = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
-    if extra:
-        usage.update(d.usage_extra)
+    usage.update(d.usage_extra(ex, whole))
     reasoning = sum(len(g.reasoning) for g in generations)
     if reasoning:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
@@ -225,6 +263,9 @@ async def _complete(d: Dialect, ex: Exchange, req: ChatRequest, model: str) -> w
         raise HttpError(*d.generation_failure)
     gens = ex.generations
     await ex.pacer().whole(max(g.completion_tokens for g in gens))
+    if ex.state.dead:  # the engine died while this one was generating
+        ex.state.close_soon(0)
+        raise HttpError(500, ENGINE_DEAD, ENGINE_DEAD_TYPE)
     choices = []
     for index, g in enumerate(gens):
         message: JsonObj = {"role": "assistant"}
@@ -247,11 +288,12 @@ async def _complete(d: Dialect, ex: Exchange, req: ChatRequest, model: str) -> w
         logprobs = None
         if req.logprobs and g.tool_call is None:
             logprobs = {"content": [_logprob(d, t, req.top_logprobs) for t in g.tokens]}
-        choices.append({"index": index, "message": message, "logprobs": logprobs, **_finish(d, g)})
+        choices.append({"index": index, "message": message, "logprobs": logprobs, **_finish(d, g),
+                        **d.choice_extra})
     body = _envelope(d, model, "chat.completion")
     body["choices"] = choices
     body.update(d.response_extra)
-    body["usage"] = _usage(d, ex.prompt_tokens, gens, extra=True)
+    body["usage"] = _usage(d, ex, gens, whole=True)
     generated = sum(g.completion_tokens for g in gens)
     return json_response(body, headers=d.headers(ex, generated))
 
@@ -277,6 +319,7 @@ def _tool_deltas(d: Dialect, g: Generation, role: JsonObj) -> list[JsonObj]:
 def _steps(d: Dialect, index: int, g: Generation, req: ChatRequest) -> list[list[JsonObj]]:
     """One choice's chunk `choices` entries, grouped by generation step (paced together)."""
     role: JsonObj = {"role": "assistant"} if d.role_in_deltas else {}
+    extra = d.stream_extras.choice
     pending: list[tuple[JsonObj, object]] = [({**role, "reasoning": t}, None) for t in g.reasoning]
     if g.tool_call is not None:
         pending += [(delta, None) for delta in _tool_deltas(d, g, role)]
@@ -284,15 +327,16 @@ def _steps(d: Dialect, index: int, g: Generation, req: ChatRequest) -> list[list
         for token in g.tokens:
             logprobs = {"content": [_logprob(d, token, req.top_logprobs)]} if req.logprobs else None
             pending.append(({**role, "content": token}, logprobs))
-    if not pending and not d.finish_chunk:
-        pending.append(({**role, "content": ""}, None))  # TGI: the EOS token's empty chunk
+    own_chunk = g.finish in d.finish_chunk
+    if not pending and not own_chunk:
+        pending.append(({**role, "content": ""}, None))  # nothing generated: an empty chunk
     steps = [
-        [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}]
+        [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None, **extra}]
         for delta, lp in pending
     ]
-    if d.finish_chunk:
+    if own_chunk:  # e.g. vLLM's EOS: the end-of-sequence token's own (empty) chunk
         delta = {} if g.tool_call is not None else {"content": ""}
-        last = {"index": index, "delta": delta, "logprobs": None, **_finish(d, g)}
+        last = {"index": index, "delta": delta, "logprobs": None, **_finish(d, g), **extra}
         if not steps:
             steps.append([])
         steps[-1].append(last)
@@ -309,6 +353,11 @@ def _steps(d: Dialect, index: int, g: Generation, req: ChatRequest) -> list[list
     return steps
 
 
+def _tail(tail: bytes, fields: Mapping[str, object]) -> bytes:
+    """A chunk's closing bytes (after `choices`) with `fields` added at the top level."""
+    return tail[:-1] + b"," + orjson.dumps(fields)[1:-1] + b"}" if fields else tail
+
+
 async def _stream(d: Dialect, ex: Exchange, req: ChatRequest, model: str) -> web.StreamResponse:
     writer = EventWriter(ex, d.sse_prefix, d.error_events)
     await writer.open(d.headers(ex, None))
@@ -320,15 +369,24 @@ async def _stream(d: Dialect, ex: Exchange, req: ChatRequest, model: str) -> web
     head = orjson.dumps({**envelope, "choices": []})[:-2]  # ends with `"choices":[`
     tail = b'],"usage":null}' if d.null_usage_in_chunks else b"]}"
     per_choice = [_steps(d, i, g, req) for i, g in enumerate(ex.generations)]
+    schedule = [
+        [(choice, tail) for steps in per_choice if k < len(steps) for choice in steps[k]]
+        for k in range(max(len(steps) for steps in per_choice))
+    ]
+    extras = d.stream_extras
+    if d.role_chunk:
+        schedule[0][0] = (schedule[0][0][0], _tail(tail, extras.role_chunk))
+    if not req.include_usage:  # else the usage chunk is the last
+        schedule[-1][-1] = (schedule[-1][-1][0], _tail(tail, extras.last_chunk))
     pacer = ex.pacer()
-    for k in range(max(len(steps) for steps in per_choice)):
+    for step in schedule:
         await pacer.step()
-        for steps in per_choice:
-            for choice in steps[k] if k < len(steps) else ():
-                await writer.send(head + orjson.dumps(choice) + tail)
+        for choice, end in step:
+            await writer.send(head + orjson.dumps(choice) + end)
     if req.include_usage:
-        usage = _usage(d, ex.prompt_tokens, ex.generations, extra=False)
-        await writer.send(orjson.dumps({**envelope, "choices": [], "usage": usage}))
+        usage = _usage(d, ex, ex.generations, whole=False)
+        await writer.send(orjson.dumps({**envelope, "choices": [], "usage": usage,
+                                        **extras.last_chunk}))
     await writer.send(b"[DONE]")
     return writer.response
 

@@ -19,6 +19,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import orjson
 from aiohttp import web
 
+from proxy.simulators.engine import Latencies, PrefixCache
 from proxy.simulators.faults import (
     NO_FAULTS,
     ClientGone,
@@ -35,6 +36,9 @@ from proxy.simulators.textgen import LENGTH, Generation
 
 RECORDS_KEPT = 1000
 T = TypeVar("T")
+# What vLLM answers (500, and as the in-band error of live streams) once its EngineCore died.
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+ENGINE_DEAD_TYPE = "InternalServerError"
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,16 @@ class SimConfig:
     models: tuple[str, ...]
     ttft_ms: float = 0.0
     tokens_per_s: float = 0.0  # 0: no pacing, tokens as fast as the socket takes them
-    max_concurrency: int = 128
+    max_concurrency: int = 128  # TGI: 429 beyond it; vLLM: --max-num-seqs (waits beyond it)
     startup_delay_s: float = 0.0
     fail_generation: bool = False  # /health stays OK while every generation fails
     default_completion_tokens: int = 16
+    # vLLM's engine options (`simulate vllm --max-model-len ...`).
+    max_model_len: int = 32768  # the context: prompt + completion
+    max_queued: int | None = None  # --max-num-queued-reqs: in flight beyond it -> 503
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (cached tokens)
+    block_size: int = 16  # prefix-cache block: a repeated prompt hits in whole blocks
+    death_close_s: float = 3.0  # after an engine death the port closes within this long
 
 
 class Record:
@@ -83,7 +93,46 @@ class SimState:
         self.finished: Counter[tuple[str, str]] = Counter()  # (model, stop|length|abort)
         self.prompt_tokens: Counter[str] = Counter()
         self.generation_tokens: Counter[str] = Counter()
+        self.rejected = 0  # vLLM admission rejections (queue full)
+        self.cache = PrefixCache(config.block_size)
+        self.latency = Latencies()
         self._slots = asyncio.Semaphore(config.max_concurrency)
+        # The engine died (vLLM: its EngineCore); then the port closes, as the server exits.
+        self.dead = False
+        # Stops listening (set by whoever runs the app: the CLI exits, a test stops its site).
+        self.close_port: Callable[[], Awaitable[None]] | None = None
+        self._closing: asyncio.Task[None] | None = None
+        self._close_at = math.inf
+
+    @property
+    def full(self) -> bool:
+        """vLLM's admission control: in flight (running and waiting) at --max-num-queued-reqs."""
+        limit = self.config.max_queued
+        return limit is not None and self.running + self.waiting >= limit
+
+    def die(self) -> None:
+        """The engine is gone: /health 503, requests 500, live streams end with an error
+        event, and the port closes after `death_close_s` or at the first request that meets the
+        dead engine (vLLM's API server shuts down from its error handler)."""
+        self.dead = True
+        self.healthy = False
+        self.close_soon(self.config.death_close_s)
+
+    def close_soon(self, delay_s: float) -> None:
+        """Close the port in `delay_s` (or sooner, if a close is already due sooner)."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + delay_s
+        if self._closing is not None:
+            if self._closing.done() or self._close_at <= at:
+                return
+            self._closing.cancel()
+        self._close_at = at
+        self._closing = loop.create_task(self._close(delay_s))
+
+    async def _close(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if self.close_port is not None:
+            await self.close_port()
 
     def reset(self) -> None:
         self.records.clear()
@@ -112,9 +161,11 @@ STATE = web.AppKey("sim_state", SimState)
 class HttpError(Exception):
     """Answered with the server's own JSON error envelope."""
 
-    def __init__(self, status: int, message: str, error_type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, error_type: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.error_type = status, message, error_type
+        self.param = param
 
 
 class BadRequest(Exception):
@@ -124,14 +175,20 @@ class BadRequest(Exception):
     JSON 422 `validation` error; vLLM answers 400 `BadRequestError` for all three.
     """
 
-    def __init__(self, message: str, level: Literal["syntax", "type", "value"]) -> None:
+    def __init__(self, message: str, level: Literal["syntax", "type", "value"],
+                 param: str | None = None, value: object = None) -> None:
         super().__init__(message)
         self.message, self.level = message, level
+        self.param, self.value = param, value
 
 
 def bad_request_response(kind: str, exc: BadRequest) -> web.Response:
     if kind != "tgi":
-        return error_response(kind, 400, exc.message)
+        if exc.param is None:
+            return error_response(kind, 400, exc.message)
+        # vLLM's VLLMValidationError names the parameter and its value.
+        return error_response(kind, 400, f"{exc.message} (parameter={exc.param}, "
+                              f"value={exc.value})", param=exc.param)
     if exc.level == "syntax":
         return web.Response(status=400, text=f"Failed to parse the request body as JSON: {exc}")
     if exc.level == "type":
@@ -181,9 +238,12 @@ class Exchange:
         self.error_type: str | None = None
         self.stream: web.StreamResponse | None = None
         self.started = time.monotonic()
+        self.first_token: float | None = None
         self.model = ""
         self.prompt_tokens = 0
         self.prompt_chars = 0  # TGI's x-compute-characters
+        self.cached_tokens = 0  # vLLM: prompt tokens found in the prefix cache ...
+        self.created_cache_tokens = 0  # ... and written to it
         self.generations: list[Generation] = []
         self.holds_slot = False
 
@@ -251,7 +311,11 @@ class EventWriter:
         ex = self._ex
         if await before_event(ex.request, ex.faults, self.sent):
             await self.fail(f"simulated error after {self.sent} events", "generation")
+        if ex.state.dead:
+            await self.fail(ENGINE_DEAD, ENGINE_DEAD_TYPE)
         await self._response.write(self._prefix + payload + b"\n\n")
+        if ex.first_token is None:
+            ex.first_token = time.monotonic()
         self.sent += 1
 
     async def fail(self, message: str, error_type: str) -> NoReturn:
@@ -290,6 +354,9 @@ async def _run(ex: Exchange, handler: Handler) -> web.StreamResponse:
     kind = ex.state.kind
     try:
         ex.record.body = await ex.request.read()
+        if ex.state.dead:
+            ex.state.close_soon(0)  # vLLM's error handler shuts its server down
+            raise HttpError(500, ENGINE_DEAD, ENGINE_DEAD_TYPE)
         ex.faults = Faults.of(ex.request)
         response = await before_response(ex.request, ex.faults, kind) or await handler(ex)
         if not response.prepared and ex.faults.hang_after == 0:
@@ -300,7 +367,7 @@ async def _run(ex: Exchange, handler: Handler) -> web.StreamResponse:
         response = bad_request_response(kind, exc)
     except HttpError as exc:
         ex.error_type = exc.error_type
-        response = error_response(kind, exc.status, exc.message, exc.error_type)
+        response = error_response(kind, exc.status, exc.message, exc.error_type, exc.param)
     except StreamEnded as end:
         ex.outcome = end.outcome
         return ex.stream or web.Response()
@@ -325,6 +392,9 @@ def _settle(state: SimState, ex: Exchange) -> None:
     if ex.holds_slot:
         state.release()
     if outcome == "completed":
+        now = time.monotonic()
+        state.latency.e2e.observe(now - ex.started)
+        state.latency.ttft.observe((ex.first_token or now) - ex.started)
         state.successes += 1
         state.prompt_tokens[ex.model] += ex.prompt_tokens
         for generation in ex.generations:

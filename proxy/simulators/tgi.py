@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from proxy.simulators.faults import error_response
-from proxy.simulators.openai_chat import Dialect, chat_handler, error_payloads
+from proxy.simulators.openai_chat import Dialect, chat_handler, error_payloads, no_usage_extra
 from proxy.simulators.runtime import (
     STATE,
     BadRequest,
@@ -94,7 +94,7 @@ TGI_CHAT = Dialect(
     system_fingerprint=f"{VERSION}-native",
     role_chunk=False,
     role_in_deltas=True,
-    finish_chunk=False,
+    finish_chunk=frozenset(),
     finish_names={
         EOS: "stop",
         STOP_SEQUENCE: "stop_sequence",
@@ -111,7 +111,7 @@ TGI_CHAT = Dialect(
     tool_function_extra={"description": None},
     message_extra={},
     response_extra={},
-    usage_extra={},
+    usage_extra=no_usage_extra,
     tools_exclude_response_format=True,
     generation_failure=GENERATION_FAILURE,
     # after the stream started TGI hard-codes 422, whatever the error was

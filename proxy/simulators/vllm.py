@@ -1,8 +1,35 @@
-"""vLLM OpenAI-compatible server simulator (protocols.md §3).
+"""vLLM OpenAI-compatible server simulator (protocols.md §3), matched to a real vLLM 0.32.
 
 Several `--model` names act like vLLM's `--served-model-name` aliases of one engine: each is
 listed by /v1/models and accepted in requests, and metrics carry the first name, as vLLM's do.
-Excess load queues (visible as `vllm:num_requests_waiting`); vLLM never answers 429.
+Excess load queues (visible as `vllm:num_requests_waiting`); beyond `--max-num-queued-reqs`
+requests get vLLM's 503 (no Retry-After); vLLM never answers 429. The context
+(`--max-model-len`) bounds `max_tokens` (400 beyond it) and the prompt (400), and a request's
+completion is cut where the context ends. `POST /_sim/engine-death` is `kill -9` of the
+EngineCore: /health 503, requests 500 `EngineDeadError`, live streams end with the error event,
+and the port closes (at the first request that meets the dead engine, or after
+`death_close_s`), as the real API server exits.
+
+`tests/real_engine/test_fidelity.py` compares this simulator with a real vLLM 0.32 (CPU build)
+request by request. Differences kept on purpose:
+
+- Text and token counts: lorem-ipsum words and the simulator's regex token rule
+  (`textgen`), not a model and its tokenizer; EOS comes at `--completion-tokens` (or
+  `x-sim-tokens`), not by chance. Logprobs are stable fakes.
+- Prefix cache: only a prompt seen before hits (in whole blocks of `--block-size`, all but
+  its last token); vLLM also shares common blocks between different prompts. KV-cache usage
+  stays 0, nothing is ever preempted.
+- A prompt over the context is judged by tokens only (vLLM first rejects a prompt of more
+  characters than the context could hold, naming `input_text`); pydantic errors (missing
+  `messages`, malformed JSON) are worded differently, with the same 400.
+- Death is noticed at once (vLLM's /health may still say 200 for a moment), and live streams
+  always get the error event (vLLM's may be cut instead when its server exits first).
+- A full queue always refuses before the response starts; vLLM sometimes admits a stream and
+  then refuses it in-band (200, a 503 error event) when the queue filled in between.
+- /metrics serves the families a gateway reads, not all of vLLM's (no `_created` series, no
+  `http_*`, `process_*`, `cache_config_info` or per-phase histograms).
+- Not served: `/v1/completions`, `/tokenize`, `/detokenize`, `/load`,
+  `stream_options.continuous_usage_stats`, `--enable-request-id-headers`.
 """
 
 from __future__ import annotations
@@ -14,16 +41,75 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from proxy.simulators.openai_chat import Dialect, chat_handler, error_payloads
-from proxy.simulators.runtime import STATE, Exchange, inference, json_response
+from proxy.simulators.engine import (
+    CONTENT_TYPE,
+    FINISH_REASONS,
+    QUEUE_REASONS,
+    Exposition,
+    by,
+)
+from proxy.simulators.openai_chat import (
+    ChatRequest,
+    Dialect,
+    JsonObj,
+    StreamExtras,
+    chat_handler,
+    error_payloads,
+)
+from proxy.simulators.runtime import (
+    ENGINE_DEAD,
+    ENGINE_DEAD_TYPE,
+    STATE,
+    BadRequest,
+    Exchange,
+    HttpError,
+    inference,
+    json_response,
+)
 from proxy.simulators.textgen import EOS, LENGTH, STOP_SEQUENCE, TOOL_CALLS
 
-VERSION = "0.11.0"
-MAX_MODEL_LEN = 32768
+VERSION = "0.32.0"
+FINGERPRINT = f"vllm-{VERSION}-{random.getrandbits(32):08x}"
+BUSY = ("The engine is currently busy and cannot accept new requests. Please try again later "
+        "or on a different instance.")
 
 
 def _headers(_ex: Exchange, generated: int | None) -> Mapping[str, str]:
     return {"Content-Type": "text/event-stream; charset=utf-8"} if generated is None else {}
+
+
+def check(ex: Exchange, req: ChatRequest) -> int | None:
+    """vLLM's checks before it queues a request; the completion limit within the context."""
+    config, state = ex.config, ex.state
+    context = config.max_model_len
+    if req.max_tokens is not None and req.max_tokens > context:
+        raise BadRequest(f"{req.cap_field}={req.max_tokens} cannot be greater than "
+                         f"max_model_len={context}. Please request fewer output tokens.",
+                         "value", req.cap_field, req.max_tokens)
+    if ex.prompt_tokens > context:
+        # vLLM tokenizes with truncation at context + 1, so it says "at least".
+        raise BadRequest(f"This model's maximum context length is {context} tokens. However, "
+                         f"your prompt contains at least {context + 1} input tokens, which "
+                         "exceeds this limit even without any output tokens. Please reduce "
+                         "the length of the input prompt.", "value", "input_tokens", context + 1)
+    if state.full:
+        state.rejected += 1
+        raise HttpError(503, BUSY, "Service Unavailable")
+    room = context - ex.prompt_tokens
+    return room if req.max_tokens is None else min(req.max_tokens, room)
+
+
+def usage_extra(ex: Exchange, whole: bool) -> JsonObj:
+    """`prompt_tokens_details` (with --enable-prompt-tokens-details) as vLLM 0.32 shapes it."""
+    details: JsonObj | None = None
+    if ex.config.prompt_tokens_details:
+        details = {"cached_tokens": ex.cached_tokens,
+                   "created_cache_tokens": ex.created_cache_tokens}
+        if whole:
+            details["multimodal_tokens"] = None
+    if not whole:  # stream usage chunks leave out what is unset
+        return {} if details is None else {"prompt_tokens_details": details}
+    return {"prompt_tokens_details": details, "completion_tokens_details": None}
 
 
 VLLM_CHAT = Dialect(
@@ -31,10 +117,10 @@ VLLM_CHAT = Dialect(
     sse_prefix=b"data: ",
     strict_model=True,
     fixed_id=None,
-    system_fingerprint=None,
+    system_fingerprint=None,  # not on every chunk: see stream_extras.last_chunk
     role_chunk=True,
     role_in_deltas=False,
-    finish_chunk=True,
+    finish_chunk=frozenset({EOS, TOOL_CALLS}),  # length and stop end on the last token's chunk
     finish_names={EOS: "stop", STOP_SEQUENCE: "stop", LENGTH: "length", TOOL_CALLS: "tool_calls"},
     stop_reason=True,
     null_usage_in_chunks=False,  # chunks are serialised with unset fields dropped
@@ -49,28 +135,34 @@ VLLM_CHAT = Dialect(
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "tool_calls": [],
         "reasoning": None,
     },
     response_extra={
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": FINGERPRINT,
         "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     },
-    usage_extra={"prompt_tokens_details": None},
+    usage_extra=usage_extra,
     tools_exclude_response_format=False,
-    generation_failure=(
-        500,
-        "EngineCore encountered an issue. See stack trace for the root cause.",
-        "InternalServerError",
-    ),
+    generation_failure=(500, ENGINE_DEAD, ENGINE_DEAD_TYPE),
     error_events=error_payloads(
         lambda m, _t: {
             "error": {"message": m, "type": "InternalServerError", "param": None, "code": 500}
         }
     ),
     headers=_headers,
+    choice_extra={"token_ids": None, "routed_experts": None},
+    stream_extras=StreamExtras(
+        role_chunk={"prompt_token_ids": None, "prompt_text": None},
+        choice={"token_ids": None},
+        last_chunk={"system_fingerprint": FINGERPRINT},
+    ),
+    check=check,
 )
 
 _chat = chat_handler(VLLM_CHAT)
@@ -86,6 +178,7 @@ async def version(_request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     created = int(time.time())
+    config = request.app[STATE].config
 
     def entry(model: str) -> dict[str, object]:
         permission = {
@@ -109,38 +202,53 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "vllm",
             "root": model,
             "parent": None,
-            "max_model_len": MAX_MODEL_LEN,
+            "max_model_len": config.max_model_len,
             "permission": [permission],
         }
 
-    return json_response(
-        {"object": "list", "data": [entry(m) for m in request.app[STATE].config.models]}
-    )
+    return json_response({"object": "list", "data": [entry(m) for m in config.models]})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """prometheus_client exposition: counters end in `_total`, values are floats."""
+    """prometheus_client's exposition of the families a gateway reads (vLLM 0.32's names)."""
     state = request.app[STATE]
-    labels = f'engine="0",model_name="{state.config.models[0]}"'
-    lines: list[str] = []
+    out = Exposition(state.config.models[0])
+    out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+              state.running)
+    out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+              state.waiting)
+    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", 0.0)
+    out.counter("vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in terms of number of queried tokens.", state.cache.queries)
+    out.counter("vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in terms of number of cached tokens.", state.cache.hits)
+    out.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+                0)
+    out.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
+                sum(state.prompt_tokens.values()))
+    out.counter("vllm:prompt_tokens_cached_total",
+                "Number of cached prompt tokens (local + external).", state.cache.hits)
+    out.counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
+                sum(state.generation_tokens.values()))
+    out.family("vllm:request_success_total", "counter",
+               "Count of successfully processed requests.",
+               by("finished_reason", FINISH_REASONS,
+                  lambda reason: sum(n for (_m, r), n in state.finished.items() if r == reason)))
+    out.family("vllm:admission_rejections_total", "counter",
+               "Number of admission attempts rejected by a queue limit, by reason.",
+               by("reason", QUEUE_REASONS,
+                  lambda reason: state.rejected if reason == QUEUE_REASONS[0] else 0),
+               engine=False)
+    out.histogram("vllm:time_to_first_token_seconds",
+                  "Histogram of time to first token in seconds.", state.latency.ttft)
+    out.histogram("vllm:e2e_request_latency_seconds",
+                  "Histogram of e2e request latency in seconds.", state.latency.e2e)
+    return web.Response(text=out.text(), headers={"Content-Type": CONTENT_TYPE})
 
-    def metric(name: str, kind: str, samples: Mapping[str, float]) -> None:
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{{{extra}{labels}}} {float(v)}" for extra, v in samples.items())
 
-    metric("vllm:num_requests_running", "gauge", {"": state.running})
-    metric("vllm:num_requests_waiting", "gauge", {"": state.waiting})
-    metric("vllm:kv_cache_usage_perc", "gauge", {"": 0.0})
-    metric("vllm:prompt_tokens_total", "counter", {"": sum(state.prompt_tokens.values())})
-    metric("vllm:generation_tokens_total", "counter", {"": sum(state.generation_tokens.values())})
-    reasons = {
-        f'finished_reason="{reason}",': sum(
-            n for (_model, r), n in state.finished.items() if r == reason
-        )
-        for reason in ("stop", "length", "abort")
-    }
-    metric("vllm:request_success_total", "counter", reasons)
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+async def engine_death(request: web.Request) -> web.Response:
+    request.app[STATE].die()
+    return web.Response(status=204)
 
 
 def add_routes(app: web.Application) -> None:
@@ -150,3 +258,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ping", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/_sim/engine-death", engine_death)

@@ -11,6 +11,9 @@ Here: the answer, whole or streamed, and errors, in the shapes the Anthropic SDK
 - Streams: `message_start` carries `input_tokens: 0` because the prompt count is known only
   from the upstream's final usage; `message_delta` then reports it with `output_tokens`
   (cumulative, as Anthropic's are), and the SDK overwrites the start value with it.
+- Cached prompt tokens (the engine's `prompt_tokens_details.cached_tokens`) are Anthropic's
+  `cache_read_input_tokens`; as Anthropic counts them, `input_tokens` is then the rest of the
+  prompt (the three input counts add up to the prompt). Cache writes are not reported: 0.
 - Errors: the gateway's kinds map onto Anthropic's `error.type`s (503 stays 503, where Anthropic
   would say 529); `detail` is kept as an extra field, the 422 list included, so FastAPI-style
   clients read these errors too.
@@ -145,6 +148,16 @@ def _count(usage: object, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _input(usage: object) -> tuple[int, int] | None:
+    """(`input_tokens`, `cache_read_input_tokens`) from OpenAI-style usage; None if unknown."""
+    prompt = _count(usage, "prompt_tokens")
+    if prompt is None:
+        return None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = min(max(_count(details, "cached_tokens") or 0, 0), prompt)
+    return prompt - cached, cached
+
+
 def _first_choice(choices: object) -> JsonObj:
     """Choice 0: Anthropic has no `n`."""
     for choice in choices if isinstance(choices, list) else ():
@@ -182,12 +195,13 @@ def to_message(completion: JsonObj, model: str, stop_sequences: Sequence[str]) -
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"),
                                    any(b["type"] == "tool_use" for b in content), stop_sequences)
     usage = completion.get("usage")
+    fresh, cached = _input(usage) or (0, 0)
     return {
         "id": message_id(completion.get("id")), "type": "message", "role": "assistant",
         "model": model, "content": content, "stop_reason": reason, "stop_sequence": sequence,
-        "usage": {"input_tokens": _count(usage, "prompt_tokens") or 0,
+        "usage": {"input_tokens": fresh,
                   "output_tokens": _count(usage, "completion_tokens") or 0,
-                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached},
     }
 
 
@@ -252,8 +266,8 @@ class AnthropicEncoder(StreamEncoder):
                                        self._stops)
         output = _count(usage, "completion_tokens")
         counts: JsonObj = {"output_tokens": self._deltas if output is None else output}
-        if (prompt := _count(usage, "prompt_tokens")) is not None:
-            counts["input_tokens"] = prompt
+        if (prompt := _input(usage)) is not None:
+            counts["input_tokens"], counts["cache_read_input_tokens"] = prompt
         out.append(_event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": counts}))
         out.append(_event("message_stop", {}))

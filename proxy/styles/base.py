@@ -26,6 +26,7 @@ class ChatCall:
     async_: bool = False
     want_usage: bool = False  # OpenAI streams: the client asked for the usage chunk
     max_tokens: int | None = None  # completion-token cap the client asked for
+    cap_loc: tuple[str, ...] = ("body", "max_tokens")  # where the request named it (for 422s)
     extras: dict[str, Any] = field(default_factory=dict)  # style-specific state
 
 

@@ -55,6 +55,7 @@ class OllamaStyle(ChatStyle):
             stream=stream,
             mode=request.mode or "auto",
             max_tokens=_max_tokens(request.options),
+            cap_loc=("body", "options", "num_predict"),
             extras={STARTED_NS: time.monotonic_ns()},
         )
 

@@ -33,6 +33,8 @@ class OpenAIStyle(ChatStyle):
             async_=bool(request.async_),
             want_usage=bool(request.stream_options and request.stream_options.include_usage),
             max_tokens=request.max_completion_tokens or request.max_tokens,
+            cap_loc=("body", "max_completion_tokens" if request.max_completion_tokens
+                     else "max_tokens"),
         )
 
     def response(self, completion: dict[str, Any], call: ChatCall, task_id: str, mode: str

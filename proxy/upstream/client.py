@@ -2,14 +2,19 @@
 
 Timeouts are separate, as a streaming proxy needs: connect; first byte (headers and then the first
 body bytes: covers queueing and prefill); idle gap between body chunks once data flows. Failures
-before any response byte are `UpstreamFailure`s that say whether another backend may be tried
-(refused connection, 429, 503); everything maps to 502/503/504 with a public message, never the
-upstream's exception text.
+are `UpstreamFailure`s that say whether another backend may be tried: one that left the client
+without a byte and says nothing about the request itself (refused or reset connection, 429, 503,
+a 500 or 502 from a server whose engine died, a stream that failed before its first event). A
+timeout is not retried (the time is spent), nor is TGI's 424 (the request itself may be what
+fails). Everything maps to 502/503/504 with a public message, never the upstream's exception text.
 
 Every exchange also reports its outcome to the backend's health (passive ejection): a refused or
-reset connection, a timeout, a 5xx (or TGI's 424 generation failure), a stream cut or gone silent
-are failures; a complete answer, or a client error the server judged properly (4xx), a success;
-429 (busy, not broken) and a cancelled request (the client went away) count as neither.
+reset connection, a timeout, a 5xx (or TGI's 424 generation failure), a stream cut, gone silent or
+ended by an error event (the relay marks its body) are failures, and each failure asks for a
+probe of that backend at once, so a dead server is out of rotation after its first failure rather
+than its fifth; a complete answer, or a client error the server judged properly (4xx), a
+success; 429 and 503 (busy, not broken: vLLM's full queue) and a cancelled request (the client
+went away) count as neither.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import aiohttp
 import orjson
@@ -28,11 +34,15 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
 
 log = logging.getLogger("proxy.upstream")
+T = TypeVar("T")
 
 _ERROR_BODY_LIMIT = 64 * 1024
 _MESSAGE_LIMIT = 300
 # Statuses that say nothing about the backend's health: busy, or not our business.
-_NEUTRAL_STATUSES = frozenset({429})
+_NEUTRAL_STATUSES = frozenset({429, 503})
+# Server errors retried on another backend (besides 429 and 503): a vLLM whose engine died
+# answers 500 until its server exits; a proxy in front of a dead server, 502.
+_RETRIED_ERRORS = frozenset({500, 502})
 # Raised inside an exchange by whoever reads the body: the upstream's fault.
 _UPSTREAM_KINDS = frozenset({ErrorKind.UPSTREAM_ERROR, ErrorKind.UPSTREAM_TIMEOUT})
 
@@ -80,7 +90,6 @@ class Upstreams:
             response.close()
         return len(open_now)
 
-    @asynccontextmanager
     async def call(
         self,
         pool: Pool,
@@ -88,24 +97,23 @@ class Upstreams:
         body_for: Callable[[Backend], bytes],
         headers: Mapping[str, str],
         client_headers: Mapping[str, str],
-    ) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
-        """`exchange` with a backend picked from `pool`, retried once on another backend.
+        use: Callable[[Backend, aiohttp.ClientResponse], Awaitable[T]],
+    ) -> T:
+        """`exchange` with a backend picked from `pool`, its 2xx response given to `use`;
+        retried once on another backend when the failure is retryable.
 
-        Only a failure before any response byte that left nothing started (refused or reset
-        connection, 429, 503) is retried; once the caller holds a response, never.
+        A failure is retryable only while the client has had no byte: an error status, or one
+        that `use` raises as retryable (a stream that failed before its first event).
         """
         backend = pool.pick()
         retried = False
         while True:
             sent = {**headers, **backend.forward.select(client_headers), **backend.auth}
-            holding = False
             try:
                 async with self.exchange(backend, path, body_for(backend), sent) as response:
-                    holding = True
-                    yield backend, response
-                return
+                    return await use(backend, response)
             except UpstreamFailure as failure:
-                if holding or retried or not failure.retryable:
+                if retried or not failure.retryable or self._aborting:  # not while draining
                     raise
                 try:
                     backend = pool.pick(exclude=backend)
@@ -139,8 +147,9 @@ class Upstreams:
                 raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
                                       f"backend {backend.name!r} did not answer in time",
                                       retryable=False) from None
-            except aiohttp.ServerDisconnectedError:
-                # Closed before any response byte: nothing was generated for this request.
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # Closed or reset before any response byte (a server going down mid-request):
+                # nothing reached the client, so another backend may answer it.
                 _failed(backend)
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} closed the connection",
@@ -186,6 +195,7 @@ class Upstreams:
 
 
 def _failed(backend: Backend) -> None:
+    backend.probe_soon()  # a dead server fails its probe: out at once, not after N errors
     if backend.record_failure():
         until = backend.health.ejected_until or 0.0
         log.warning("backend %r ejected for %.0f s after %d failure(s) in a row", backend.name,
@@ -193,9 +203,11 @@ def _failed(backend: Backend) -> None:
 
 
 def _record_status(backend: Backend, status: int) -> None:
+    if status in _NEUTRAL_STATUSES:
+        return
     if status >= 500 or status == 424:  # 424: TGI's "generation failed"
         _failed(backend)
-    elif status not in _NEUTRAL_STATUSES:
+    else:
         backend.record_success()  # it judged a bad request properly: alive and well
 
 
@@ -222,7 +234,7 @@ async def _failure_from(backend: Backend, response: aiohttp.ClientResponse) -> U
         return UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT, f"backend {name!r} timed out",
                                retryable=False)
     return UpstreamFailure(ErrorKind.UPSTREAM_ERROR, f"backend {name!r} failed (HTTP {status})",
-                           retryable=False)
+                           retryable=status in _RETRIED_ERRORS)
 
 
 def upstream_message(raw: bytes) -> str:

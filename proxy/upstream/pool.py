@@ -7,7 +7,11 @@ a queue that grows without bound.
 
 Healthy means: the supervisor says `ready` (supervised backends only), and this worker's
 `BackendHealth` admits it (not ejected, last probe fine; one request at a time when half-open).
-Outcomes come back through `record_success` / `record_failure` (see `Upstreams.exchange`).
+Outcomes come back through `record_success` / `record_failure` (see `Upstreams.exchange`), and a
+failure asks the prober for a probe at once (`probe_soon`).
+
+A backend's context length (`max_model_len` per model) is what its engine reports (vLLM's
+/v1/models, read by the prober in the background); a pool's limit is the least of its backends'.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from yarl import URL
 
@@ -47,8 +51,9 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("_urls", "auth", "base_url", "forward", "health", "max_ejected_ratio", "name",
-                 "outstanding", "peers", "probed", "record", "spec", "supervised")
+    __slots__ = ("_urls", "auth", "base_url", "forward", "health", "max_ejected_ratio",
+                 "max_model_len", "name", "outstanding", "peers", "probed", "record", "spec",
+                 "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -71,6 +76,14 @@ class Backend:
         self.max_ejected_ratio = settings.max_ejected_ratio
         self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
+        # model -> context length (prompt + completion tokens), as the engine reports it
+        self.max_model_len: dict[str, int] = {}
+        self.wake: Callable[[], None] | None = None  # set by the prober: probe this one now
+
+    def probe_soon(self) -> None:
+        """After a failure: have the prober look at once (nothing happens where none runs)."""
+        if self.wake is not None:
+            self.wake()
 
     def url(self, path: str) -> URL:
         """The backend's URL for `path`, built once (yarl parsing is not free per request)."""
@@ -126,6 +139,11 @@ class Pool:
     def __init__(self, model: str, backends: Sequence[Backend]) -> None:
         self.model = model
         self.backends = tuple(backends)
+
+    def context_limit(self) -> int | None:
+        """The least context length the pool's engines report for its model (None: unknown)."""
+        known = [n for b in self.backends if (n := b.max_model_len.get(self.model)) is not None]
+        return min(known) if known else None
 
     def pick(self, exclude: Backend | None = None, rng: random.Random | None = None) -> Backend:
         candidates = [b for b in self.backends if b.available and b is not exclude]

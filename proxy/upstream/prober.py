@@ -2,8 +2,14 @@
 
 - `Prober`: active probes, one task per backend. The cheap probe is `GET <health_path>` (2xx =
   OK); the deep probe is a one-token, non-streamed `POST /v1/chat/completions` for the backend's
-  first model (a 2xx JSON answer with `choices` = OK). `BackendHealth.probe_kind` picks the
-  tier; a cheap probe that just recovered is followed by the deep one at once.
+  first model (a 2xx JSON answer with `choices` = OK; 429 and 503 say busy, which is alive).
+  `BackendHealth.probe_kind` picks the tier; a cheap probe that just recovered is followed by
+  the deep one at once. Probes run every `interval_s`, and at once (at most every
+  `WAKE_GAP_S`) when a request to the backend failed: a dead engine then fails its probe and is
+  out of rotation before a run of requests could fail on it.
+- Engine limits: for vLLM backends, `GET /v1/models` gives each served model's `max_model_len`;
+  it is read after the first good probe and again whenever the backend comes back into rotation
+  (a restarted engine may have another context), never on a request's path.
 - `FleetSync`: reads the supervisor's records (`fleet_state`) from Redis, so a supervised backend
   is routable only while its process is ready, and a replaced process starts with clean health.
 
@@ -13,6 +19,7 @@ Probes carry `User-Agent: inference-gateway-health` so server logs can tell them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -31,6 +38,11 @@ log = logging.getLogger("proxy.health")
 
 PROBE_HEADERS = {"User-Agent": "inference-gateway-health"}
 DEEP_PROBE_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+BUSY = frozenset({429, 503})  # a deep probe answered "busy": the engine is alive
+WAKE_GAP_S = 0.25  # failures wake the probe at most this often
+# Kinds whose /v1/models reports each model's context length (vLLM's `max_model_len`).
+CONTEXT_KINDS = frozenset({"vllm"})
 
 
 def probe_session(timeout_s: float) -> aiohttp.ClientSession:
@@ -61,6 +73,8 @@ async def deep_probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
                                          "Content-Type": "application/json"},
                                 allow_redirects=False) as response:
             raw = await response.read()
+            if response.status in BUSY:
+                return True
             if not 200 <= response.status < 300:
                 return False
     except (aiohttp.ClientError, TimeoutError, OSError):
@@ -72,6 +86,34 @@ async def deep_probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
     return isinstance(answer, dict) and "error" not in answer and bool(answer.get("choices"))
 
 
+async def read_context(session: aiohttp.ClientSession, backend: Backend) -> dict[str, int] | None:
+    """model -> max_model_len from the engine's /v1/models; None when it cannot be read."""
+    try:
+        async with session.get(backend.base_url + MODELS_PATH,
+                               headers={**PROBE_HEADERS, **backend.auth},
+                               allow_redirects=False) as response:
+            raw = await response.read()
+            if response.status != 200:
+                return None
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    return context_lengths(raw)
+
+
+def context_lengths(raw: bytes) -> dict[str, int] | None:
+    """`{"data": [{"id": ..., "max_model_len": ...}]}` -> {id: max_model_len}. Pure."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    entries = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(entries, list):
+        return None
+    return {e["id"]: e["max_model_len"] for e in entries
+            if isinstance(e, dict) and isinstance(e.get("id"), str)
+            and type(e.get("max_model_len")) is int and e["max_model_len"] > 0}
+
+
 class Prober:
     """Active probes for every backend with a health path, each on its own schedule."""
 
@@ -80,6 +122,9 @@ class Prober:
         self.backends = [b for b in backends if health_path(b.spec)]
         self.settings = settings
         self.session = session
+        self._wake = {b.name: asyncio.Event() for b in self.backends}
+        for backend in self.backends:
+            backend.wake = self._wake[backend.name].set
 
     async def probe(self, backend: Backend) -> None:
         """One round for one backend: the tier its health asks for, then deep if just recovered."""
@@ -99,6 +144,16 @@ class Prober:
                     "backend %r is %s (%s probe %s)", backend.name,
                     "in rotation" if backend.healthy else "out of rotation",
                     kind.value, "ok" if ok else "failed")
+        if (ok and backend.spec.kind in CONTEXT_KINDS
+                and (not backend.max_model_len or (was_out and backend.healthy))):
+            await self._learn_context(backend)
+
+    async def _learn_context(self, backend: Backend) -> None:
+        learned = await read_context(self.session, backend)
+        if learned is not None and learned != backend.max_model_len:
+            log.info("backend %r: context length %s", backend.name,
+                     ", ".join(f"{model} {n}" for model, n in sorted(learned.items())) or "none")
+            backend.max_model_len = learned
 
     async def _send(self, backend: Backend, kind: Probe) -> bool:
         if kind is Probe.DEEP:
@@ -114,10 +169,18 @@ class Prober:
         await asyncio.gather(*(self._loop(b) for b in self.backends))
 
     async def _loop(self, backend: Backend) -> None:
+        wake = self._wake[backend.name]
         last = time.monotonic()
+        woken_at = -WAKE_GAP_S
         while True:
             due = backend.health.next_probe_at(last, self.settings.interval_s)
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, due - time.monotonic())):
+                    await wake.wait()  # a failed request: look now
+            if wake.is_set():
+                await asyncio.sleep(max(0.0, woken_at + WAKE_GAP_S - time.monotonic()))
+                woken_at = time.monotonic()
+            wake.clear()  # failures from here on ask for the next probe
             last = time.monotonic()
             try:
                 await self.probe(backend)

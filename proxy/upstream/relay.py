@@ -4,7 +4,8 @@ The client's format (OpenAI SSE, Anthropic events, Ollama NDJSON) is the encoder
 
 Never buffered beyond what one upstream read returned; each write waits for the client to drain
 (backpressure). Response headers go out only once the first client-bound event exists, so an
-upstream that fails at once still gets a real HTTP status. After that the status is fixed at 200
+upstream that fails before that (an in-band error, a cut) is an `UpstreamFailure` the caller may
+retry on another backend, or else a real HTTP status. After that the status is fixed at 200
 and a failure (in-band error, cut connection, idle timeout) becomes exactly one error event
 followed by the normal terminator. A client that goes away cancels the handler, which closes the
 upstream request (see `Upstreams.exchange`); so does one that reads nothing for
@@ -24,6 +25,8 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.http.sse import DONE, Event, SSEDecoder
 from proxy.outcome import Outcome
 from proxy.styles.base import StreamEncoder
+from proxy.upstream.client import UpstreamFailure
+from proxy.upstream.pool import RETRY_AFTER_S
 from proxy.upstream.wire import ChunkFilter, UpstreamStreamError
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -83,8 +86,14 @@ async def relay_stream(
         if not done and not chunks.finished:
             result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
                              "the model server closed the stream before it finished")
-    except UpstreamStreamError as exc:
-        result = _failed(Outcome.FAILED, ErrorKind.UPSTREAM_ERROR, exc.message)
+    except UpstreamStreamError as exc:  # busy is not broken (see Upstreams.exchange)
+        result = _failed(Outcome.FAILED,
+                         ErrorKind.UNAVAILABLE if exc.busy else ErrorKind.UPSTREAM_ERROR,
+                         exc.message)
+        if exc.reported and not exc.busy:
+            # The upstream failed though its stream ended cleanly: mark its body so that the
+            # exchange counts a failure (and has the backend probed) rather than a success.
+            upstream.content.set_exception(UpstreamStreamError(exc.message))
     except (aiohttp.ServerTimeoutError, TimeoutError):
         result = _failed(Outcome.TIMEOUT, ErrorKind.UPSTREAM_TIMEOUT,
                          "the stream ran longer than this gateway allows" if deadline.expired()
@@ -97,7 +106,11 @@ async def relay_stream(
         return response, StreamResult(Outcome.CLIENT_GONE)
 
     if result.error is not None and not response.prepared and not pending:
-        raise result.error  # nothing owed to the client yet: a real HTTP status
+        # Nothing for the client yet: a real HTTP status, or another backend's answer. Time
+        # spent waiting is not spent twice.
+        raise UpstreamFailure(result.error.kind, result.error.message,
+                              retryable=result.outcome is not Outcome.TIMEOUT,
+                              headers=result.error.headers)
     tail = pending
     tail.append(encoder.error(result.error) if result.error else encoder.end(chunks.usage))
     try:
@@ -125,4 +138,5 @@ async def _send(request: web.Request, response: web.StreamResponse, data: bytes,
 
 
 def _failed(outcome: Outcome, kind: ErrorKind, message: str) -> StreamResult:
-    return StreamResult(outcome, GatewayError(kind, message))
+    busy = {"Retry-After": RETRY_AFTER_S} if kind is ErrorKind.UNAVAILABLE else None
+    return StreamResult(outcome, GatewayError(kind, message, headers=busy))

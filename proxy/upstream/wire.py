@@ -35,11 +35,17 @@ _FINISH_FIXES = {"stop_sequence": "stop", "eos_token": "stop"}
 
 
 class UpstreamStreamError(Exception):
-    """The upstream reported an error inside a stream that had already started (HTTP 200)."""
+    """The upstream reported an error inside a stream that had already started (HTTP 200).
 
-    def __init__(self, message: str) -> None:
+    `reported`: the upstream sent an error event (else its stream could not be read or
+    translated); `busy` when it said so (code 429 or 503): vLLM can refuse a stream in-band when
+    its queue fills between its admission check and the request reaching the engine."""
+
+    def __init__(self, message: str, *, reported: bool = False, busy: bool = False) -> None:
         super().__init__(message)
         self.message = message
+        self.reported = reported
+        self.busy = busy
 
 
 def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int) -> bytes:
@@ -212,4 +218,6 @@ def _raise_if_error(chunk: dict[str, Any]) -> None:
         return
     message = error.get("message") if isinstance(error, dict) else error
     text = message[:300] if isinstance(message, str) else "generation failed"
-    raise UpstreamStreamError(f"the model server failed mid-stream: {text}")
+    busy = isinstance(error, dict) and error.get("code") in (429, 503)
+    raise UpstreamStreamError(f"the model server failed mid-stream: {text}", reported=True,
+                              busy=busy)

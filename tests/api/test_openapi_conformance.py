@@ -53,8 +53,11 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
           "models": [MODEL]}],
         gateway={"port": gw_port, "data_dir": str(tmp_path / "data"), "workers": 1},
         policies={"tiers.toml": GENEROUS_TIERS})  # rate limits must not answer for the schema
+    # A context that holds every cap the schema allows: a cap beyond a model's context is the
+    # gateway's 422 (documented), which no schema can state.
     sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
-                            str(sim_port), "--model", MODEL], env=env)
+                            str(sim_port), "--model", MODEL, "--max-model-len", "128000"],
+                           env=env)
     gateway = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config", str(folder)],
                                env=env)
     try:

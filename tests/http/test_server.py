@@ -129,7 +129,7 @@ def test_the_cap_leaves_room_under_the_open_file_limit(tmp_path: Path) -> None:
 async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline(
     simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
 ) -> None:
-    sim = await simulator("vllm")
+    sim = await simulator("vllm", max_model_len=200_000)  # room for the long answer below
     gw = await gateway(sim, server={"write_timeout_s": 1.0})
     body = orjson.dumps({"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 100_000})
     request = (f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"

@@ -252,21 +252,32 @@ async def test_started_backend_whose_generation_fails_never_gets_traffic(
     assert seen and agents == {"inference-gateway-health"}, seen  # probes only
 
 
-async def test_failing_backend_is_ejected_after_consecutive_failures(
+async def test_failing_backend_is_out_at_its_first_failure_and_no_client_sees_it(
     simulator: SimulatorFactory, gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """U1, passively: a fronted server (not started by us, so assumed up) that fails every
-    generation is ejected after 5 consecutive failures; the rest goes to the good one."""
+    """U1: a fronted server (not started by us, so assumed up) that fails every generation
+    (500) while its /health says OK. Each failure is retried on the good one before the first
+    byte, and the first failure wakes a probe whose real generation fails: out at once, not
+    after a run of failures."""
     monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", ADMIN["Authorization"].split()[1])
     bad = await simulator(fail_generation=True)
     good = await simulator()
     gw = await gateway(bad, good)  # b0 = bad, b1 = good
     async with aiohttp.ClientSession() as session:
-        statuses = [await chat(session, str(gw.make_url("")).rstrip("/")) for _ in range(40)]
-        assert statuses.count(502) == 5 and statuses[-20:] == [200] * 20, statuses
+        statuses = []
+        for _ in range(40):
+            statuses.append(await chat(session, str(gw.make_url("")).rstrip("/")))
+            await asyncio.sleep(0.02)  # steady traffic: the woken probe answers meanwhile
+        assert statuses == [200] * 40, statuses
         async with session.get(gw.make_url("/admin/backends"), headers=ADMIN) as response:
             views = {b["name"]: b for b in (await response.json())["data"]}
-    assert views["b0"]["ejected_until"] > time.time() + 5 and not views["b0"]["healthy"]
+        async with session.get(bad.make_url("/_sim/requests")) as response:
+            reached = [r for r in await response.json()
+                       if r["headers"].get("user-agent") != "inference-gateway-health"]
+    assert not views["b0"]["healthy"] and views["b0"]["last_probe"] == {"kind": "deep",
+                                                                         "ok": False}
+    assert views["b0"]["ejected_until"] is None  # not by 5 failures in a row: its probe
+    assert 1 <= len(reached) <= 2  # what met it before the probe took it out, retried
     assert views["b1"]["healthy"] and views["b1"]["ejected_until"] is None
 
 

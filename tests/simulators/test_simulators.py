@@ -248,13 +248,22 @@ async def test_vllm_chat_stream_framing(make_client: MakeClient) -> None:
     raw = await resp.read()
     assert raw.startswith(b"data: {") and raw.endswith(b"\n\ndata: [DONE]\n\n")
     events = chunks(sse_payloads(raw, "vllm"))
-    assert len(events) == 5  # role, 3 tokens, finish
+    assert len(events) == 4  # role, 3 tokens: vLLM 0.32 ends on the last token's chunk
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert (events[0]["prompt_token_ids"], events[0]["prompt_text"]) == (None, None)
     assert all("usage" not in e and e["id"] == events[0]["id"] for e in events)
     assert [list(e["choices"][0]["delta"]) for e in events[1:4]] == [["content"]] * 3
+    assert all(e["choices"][0]["token_ids"] is None for e in events[1:])
     last = events[-1]["choices"][0]
-    assert last["delta"] == {"content": ""}
+    assert last["delta"]["content"] and last["token_ids"] is None
     assert (last["finish_reason"], last["stop_reason"]) == ("length", None)
+    # The fingerprint rides on the last chunk only (the usage chunk's when there is one).
+    assert [e.get("system_fingerprint", "") for e in events][:-1] == ["", "", ""]
+    assert events[-1]["system_fingerprint"].startswith("vllm-0.32.0-")
+    # An end of sequence (here the natural length, 16, within the cap) gets its own chunk.
+    events = chunks(sse_payloads(await (await chat(client, {"stream": True})).read(), "vllm"))
+    assert len(events) == 18 and events[-1]["choices"][0]["delta"] == {"content": ""}
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -421,9 +430,9 @@ async def test_model_resolution(make_client: MakeClient) -> None:
     assert missing.status == 404
     assert await missing.json() == {
         "error": {
-            "message": "The model `x/y` does not exist.",
+            "message": "The model `x/y` does not exist. Valid aliases: a/one, b/two.",
             "type": "NotFoundError",
-            "param": None,
+            "param": "model",
             "code": 404,
         }
     }
@@ -647,7 +656,7 @@ async def test_client_disconnect_is_cancelled(make_client: MakeClient, kind: str
     if kind == "tgi":
         assert 'tgi_request_failure{err="dropped"} 1' in metrics
     else:
-        assert 'vllm:request_success_total{finished_reason="abort",' in metrics
+        assert 'vllm:request_success_total{engine="0",finished_reason="abort",' in metrics
 
 
 async def test_pacing_ttft_and_tokens_per_s(make_client: MakeClient) -> None:
@@ -842,7 +851,8 @@ async def test_vllm_health_models_version_metrics(make_client: MakeClient) -> No
     labels = 'engine="0",model_name="org/first"'
     assert f"vllm:prompt_tokens_total{{{labels}}} {float(PROMPT_TOKENS)}" in metrics
     assert f"vllm:generation_tokens_total{{{labels}}} 4.0" in metrics
-    assert f'vllm:request_success_total{{finished_reason="length",{labels}}} 1.0' in metrics
+    reason = 'engine="0",finished_reason="length",model_name="org/first"'  # alphabetical
+    assert f"vllm:request_success_total{{{reason}}} 1.0" in metrics
     await client.post("/_sim/health", json={"healthy": False})
     down = await client.get("/health")
     assert down.status == 503 and await down.read() == b""

@@ -22,6 +22,7 @@ from proxy.simulators.textgen import prompt_tokens
 from proxy.styles.anthropic import AnthropicEncoder, AnthropicStyle, to_message
 from proxy.validate import RequestInvalid
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
+from tests.test_pipeline import PROBE_AGENT
 
 ROUTE = "/v2/messages/v1/messages"
 HELLO: Any = [{"role": "user", "content": "Say hello to the world."}]
@@ -48,7 +49,8 @@ async def started(simulator: SimulatorFactory, gateway: GatewayFactory, kind: st
 
 async def upstream_bodies(sim: TestServer) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as session, session.get(sim.make_url("/_sim/requests")) as r:
-        return [record["body"] for record in await r.json()]
+        return [record["body"] for record in await r.json()
+                if record["headers"].get("user-agent") != PROBE_AGENT]
 
 
 async def raw_events(gw: TestServer, body: dict[str, Any],
@@ -665,4 +667,5 @@ def test_stream_encoder_reassembles_any_chunking(
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert names.count("content_block_start") == names.count("content_block_stop") == len(blocks)
     assert names.count("ping") == (1 if blocks else 0)
-    assert events[-2][1]["usage"] == {"output_tokens": 5, "input_tokens": 3}
+    assert events[-2][1]["usage"] == {"output_tokens": 5, "input_tokens": 3,
+                                      "cache_read_input_tokens": 0}

@@ -21,6 +21,7 @@ from proxy.simulators.textgen import prompt_tokens
 from proxy.styles.ollama import OllamaStyle
 from proxy.validate import RequestInvalid
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
+from tests.test_pipeline import PROBE_AGENT
 
 CHAT = "/v2/native/api/chat"
 HELLO = [{"role": "user", "content": "Say hello to the world."}]
@@ -39,7 +40,7 @@ def client_for(gw: TestServer, key: str | None = None, **headers: str) -> ollama
 async def sim_requests(sim: TestServer) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as session, session.get(sim.make_url("/_sim/requests")) as r:
         records: list[dict[str, Any]] = await r.json()
-        return records
+        return [r for r in records if r["headers"].get("user-agent") != PROBE_AGENT]
 
 
 async def post(gw: TestServer, body: Any, path: str = CHAT, headers: dict[str, str] | None = None

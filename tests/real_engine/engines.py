@@ -1,0 +1,194 @@
+"""Real vLLM replicas for the real-engine tier: install or reuse, build the model, start, stop.
+
+Everything heavy lives outside the clone, under $REAL_ENGINES_DIR (default ~/.cache/real-engines),
+and is reused when present: the vLLM venv (3.5 GB, ~2 min to install) and the tiny model. The
+same scripts serve the README's "Try it on a real engine" (scripts/real-engine/).
+
+Each replica is `serve-tiny.sh` exec'ing `vllm serve` in a new session, so its API server,
+EngineCore and worker share one process group and are stopped together (SIGTERM, grace,
+SIGKILL). A setup that fails raises `EngineSetupError` with the reason and the log's tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts" / "real-engine"
+CACHE = Path(os.environ.get("REAL_ENGINES_DIR") or "~/.cache/real-engines").expanduser()
+SERVED = "acme/tiny"
+MAX_MODEL_LEN = 1024
+# Small queues so that admission control (503) and waiting show up under a light load; prompt
+# token details for cached tokens, with blocks small enough (32) for short prompts to hit.
+REPLICA_ARGS = ("--max-num-seqs", "4", "--max-num-queued-reqs", "8",
+                "--enable-prompt-tokens-details", "--block-size", "32")
+PREPARE_TIMEOUT_S = 20 * 60  # a first install is ~2 min; a slow mirror gets room
+START_TIMEOUT_S = 300  # ~30 s each, two at once on two cores; more while the box is busy
+STOP_GRACE_S = 15
+
+
+class EngineSetupError(Exception):
+    """The tier cannot run: install, model build or start failed (the message says why)."""
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def prepare(log: Path) -> float:
+    """Install vLLM and build the model unless cached; returns the seconds it took."""
+    started = time.monotonic()
+    env = {**os.environ, "REAL_ENGINES_DIR": str(CACHE)}
+    with log.open("ab") as out:
+        try:
+            done = subprocess.run(["bash", str(SCRIPTS / "serve-tiny.sh"), "--prepare"],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  timeout=PREPARE_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise EngineSetupError(f"installing vLLM took over {PREPARE_TIMEOUT_S} s; "
+                                   f"log {log}:\n{tail(log)}") from None
+    if done.returncode != 0:
+        raise EngineSetupError(f"installing vLLM or building the tiny model failed (exit "
+                               f"{done.returncode}); log {log}:\n{tail(log)}")
+    return time.monotonic() - started
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """The status of GET `url`, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status: int = response.status
+            return status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Replica:
+    name: str
+    port: int
+    core: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_s: float = 0.0  # how long the last start took to /health 200
+    starts: int = 0
+    _t0: float = field(default=0.0, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "REAL_ENGINES_DIR": str(CACHE),
+               "VLLM_CPU_OMP_THREADS_BIND": str(self.core)}
+        # serve-tiny.sh keeps the whole replica on its core: a busy vLLM's EngineCore spins
+        # beside its worker, and would take the other core from the other replica and the tests.
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(SCRIPTS / "serve-tiny.sh"), str(self.port), *REPLICA_ARGS],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._t0 = time.monotonic()
+        self.starts += 1
+
+    def poll_ready(self) -> bool:
+        """True once /health answers 200; EngineSetupError when the process exited."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise EngineSetupError(f"vLLM replica {self.name} exited during startup (exit "
+                                   f"{self.proc.returncode}); log {self.log}:\n{tail(self.log)}")
+        if http_status(self.url + "/health") == 200:
+            self.started_s = time.monotonic() - self._t0
+            return True
+        return False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, then SIGKILL after a grace period."""
+        if self.proc is None:
+            return
+        group = self.proc.pid  # a session leader: its pid is the group id
+        _signal_group(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(STOP_GRACE_S)
+        _signal_group(group, signal.SIGKILL)  # the engine's children, if any outlived it
+        self.proc.wait()
+        self.proc = None
+
+    def engine_core(self) -> psutil.Process:
+        """The EngineCore child of this replica's API server (what `kill -9` takes down)."""
+        assert self.proc is not None
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "EngineCore" in " ".join(child.cmdline()) or "EngineCor" in child.name():
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no EngineCore process under replica {self.name}")
+
+    def kill_core(self) -> None:
+        self.engine_core().send_signal(signal.SIGKILL)
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
+
+
+class Engines:
+    """The tier's replicas: started together, each on its own core, restarted when dead."""
+
+    def __init__(self, replicas: list[Replica], log: Path) -> None:
+        self.replicas = replicas
+        self.log = log
+        self.prepare_s = 0.0
+
+    def __getitem__(self, index: int) -> Replica:
+        return self.replicas[index]
+
+    def start(self) -> None:
+        self.prepare_s = prepare(self.log)
+        self.ensure_up()
+
+    def ensure_up(self) -> None:
+        """Start every replica that is not running (in parallel) and wait for /health 200."""
+        down = [r for r in self.replicas if not r.running]
+        for replica in down:
+            replica.stop()  # reap a dead one's group before reusing its port
+            replica.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = list(down)
+        try:
+            while waiting:
+                waiting = [r for r in waiting if not r.poll_ready()]
+                if waiting and time.monotonic() > deadline:
+                    names = ", ".join(r.name for r in waiting)
+                    raise EngineSetupError(
+                        f"vLLM replica(s) {names} not ready after {START_TIMEOUT_S} s; log "
+                        f"{waiting[0].log}:\n{tail(waiting[0].log)}")
+                time.sleep(0.25)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()

@@ -42,6 +42,10 @@ class GatewaySection(_Section, frozen=True):
     # off the ledger's slow path (GATEWAY_RATELIMIT_REDIS_URL overrides). Unset: the embedded
     # gateway starts a second, non-persistent server; with `redis_url` set, that one is used.
     rate_limit_redis_url: str | None = None
+    # The embedded ledger Redis's `appendfsync`: "always" (default) loses no acknowledged charge
+    # or top-up in a machine crash; "everysec" can lose the last second of them, and spares
+    # every admission the wait behind an fsync on Redis' main thread (DESIGN §4; README).
+    ledger_fsync: Literal["always", "everysec"] = "always"
     # Relative paths are taken from the config folder.
     data_dir: str = ".gateway"
     # HTTP worker processes sharing the port (SO_REUSEPORT); unset = one per CPU.

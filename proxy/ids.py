@@ -1,18 +1,20 @@
 """Identifiers minted per request: unique and cheap. Request and hold ids need uniqueness, not
-secrecy (they are never credentials), so they come from a PRNG seeded once from the OS instead
-of a system call each; task ids, which a client may hold on to, stay uuid4."""
+secrecy (they are never credentials): a random per-process prefix and a counter, no system call
+and no random draw per id. Task ids, which a client may hold on to, stay uuid4."""
 
 from __future__ import annotations
 
-import random
+import itertools
+import secrets
 import uuid
 
-_random = random.Random()  # seeded from os.urandom when the process starts
+_PREFIX = secrets.token_hex(8)  # 64 random bits: two processes never share a prefix in practice
+_COUNTER = itertools.count(1)
 
 
 def hex_id() -> str:
-    """128 random bits as 32 hex digits."""
-    return f"{_random.getrandbits(128):032x}"
+    """32 hex digits: the process's prefix, then its count."""
+    return f"{_PREFIX}{next(_COUNTER):016x}"
 
 
 def task_id(mode: str) -> str:

@@ -29,7 +29,7 @@ log = logging.getLogger("proxy.settler")
 Write = Callable[[Pipeline], object]
 
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # ~4 s in all: a Redis restart fits
-FLUSH_INTERVAL_S = 0.05  # a hold lives at most this much longer; Redis fsyncs ~20 times a second
+FLUSH_INTERVAL_S = 0.01  # a hold lives at most this much longer; Redis fsyncs <= 100 times a second
 MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are dropped
 
 

@@ -185,7 +185,7 @@ def serve(config: Config, *, host: str | None, port: int | None,
     if redis_url:
         where = "external"
     else:  # started, watched and stopped (last) by the master
-        ledger = RedisProcess(config.data_dir / "redis")
+        ledger = RedisProcess(config.data_dir / "redis", fsync=config.gateway.ledger_fsync)
         embedded.append(SupervisedRedis("ledger", ledger))
         redis_url = ledger.url
         where = f"embedded, {ledger.url}"

@@ -224,3 +224,19 @@ async def test_a_gateway_client_rides_out_a_redis_restart(tmp_path: Path) -> Non
     finally:
         await redis.aclose()
         server.stop()
+
+
+async def test_the_ledger_fsync_setting_reaches_the_embedded_redis(
+    tmp_path: Path, stacks: list[Stack]
+) -> None:
+    for setting in ("everysec", "always"):
+        stack = Stack(tmp_path / setting, [simulator("sim-a")], workers=1, redis_url=None,
+                      gateway_extra={"ledger_fsync": setting})
+        stacks.append(stack)
+        stack.ready()
+        redis = ledger_client(stack)
+        try:
+            assert await redis.config_get("appendfsync") == {"appendfsync": setting}
+            assert await redis.config_get("appendonly") == {"appendonly": "yes"}
+        finally:
+            await redis.aclose()

@@ -74,7 +74,9 @@ class Stack:
 
     def __init__(self, tmp: Path, backends: list[dict[str, Any]], *, workers: int,
                  redis_url: str | None, drain_s: float = 5.0,
-                 policies: dict[str, str] | None = None, **sections: dict[str, Any]) -> None:
+                 policies: dict[str, str] | None = None,
+                 gateway_extra: dict[str, Any] | None = None,
+                 **sections: dict[str, Any]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.folder = tmp / "config"
@@ -87,7 +89,7 @@ class Stack:
             (self.folder / "policies" / name).write_text(text)
         config: dict[str, dict[str, Any]] = {
             "gateway": {"port": self.port, "data_dir": str(self.data),
-                        "drain_timeout_s": drain_s},
+                        "drain_timeout_s": drain_s, **(gateway_extra or {})},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "supervisor": {"backoff_base_s": 0.2, "grace_s": 2.0, "startup_timeout_s": 20.0},
             **sections,

@@ -41,7 +41,7 @@ import msgspec
 import orjson
 from msgspec import Meta
 
-from proxy.styles.openai_schema import JSON_INT_MAX, NOT_TRUE, Mode, Tokens
+from proxy.styles.openai_schema import JSON_INT_MAX, STREAM_RULES, Mode, Tokens
 
 __all__ = [
     "Block",
@@ -215,15 +215,10 @@ class MessagesRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
         bool | None, Meta(description="Return a task handle (202) instead of the message")
     ] = msgspec.field(default=None, name="async")
 
-    # usage_rules' request-level rules, as the OpenAPI document states them. A `tool` choice
-    # must also name one of `tools`: JSON Schema cannot compare values, only the description
-    # (and the validator) says that.
+    # usage_rules' request-level rules, as the OpenAPI document states them. (A `tool` choice
+    # naming none of `tools` is left to the model server, which refuses it.)
     json_schema_rules: ClassVar[JSONObject] = {"allOf": [
-        {"description": "stream cannot be combined with async",
-         "anyOf": [{"properties": {"stream": NOT_TRUE}}, {"properties": {"async": NOT_TRUE}}]},
-        {"description": "stream is only available in direct mode",
-         "anyOf": [{"properties": {"stream": NOT_TRUE}},
-                   {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
+        *STREAM_RULES,
         {"description": "tool_choice any or tool needs tools",
          "anyOf": [{"properties": {"tool_choice": {"anyOf": [
                        {"type": "null"}, {"properties": {"type": {"enum": ["auto", "none"]}}}]}}},

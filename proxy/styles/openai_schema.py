@@ -23,6 +23,7 @@ from proxy.validate import ErrorItem, Loc, validate_with, value_error
 __all__ = [
     "JSON_INT_MAX",
     "NOT_TRUE",
+    "STREAM_RULES",
     "AsyncAccepted",
     "ChatMessage",
     "ChatRequest",
@@ -53,6 +54,14 @@ JSONObject = dict[str, Any]
 
 # JSON Schema for "absent, null or false": what a usage rule's either/or branches say of a flag.
 NOT_TRUE: Final[JSONObject] = {"enum": [False, None]}
+# Rules every chat route's request shares (the usage rules say them in Python too).
+STREAM_RULES: Final[list[JSONObject]] = [
+    {"description": "stream cannot be combined with async",
+     "anyOf": [{"properties": {"stream": NOT_TRUE}}, {"properties": {"async": NOT_TRUE}}]},
+    {"description": "stream is only available in direct mode",
+     "anyOf": [{"properties": {"stream": NOT_TRUE}},
+               {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
+]
 _TEXT_OR_PARTS: Final[JSONObject] = {"type": ["string", "array"]}
 
 
@@ -173,11 +182,7 @@ class ChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     # tool_choice that names none of `tools` is left to the model server, which refuses it with
     # a 400: JSON Schema cannot compare values, and the document must say what we check.)
     json_schema_rules: ClassVar[JSONObject] = {"allOf": [
-        {"description": "stream cannot be combined with async",
-         "anyOf": [{"properties": {"stream": NOT_TRUE}}, {"properties": {"async": NOT_TRUE}}]},
-        {"description": "stream is only available in direct mode",
-         "anyOf": [{"properties": {"stream": NOT_TRUE}},
-                   {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
+        *STREAM_RULES,
         {"description": "top_logprobs requires logprobs: true",
          "anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
                    {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},

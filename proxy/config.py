@@ -83,6 +83,12 @@ class UpstreamSection(_Section, frozen=True):
     # it must stay below prices.toml's hold_ttl_s, so no hold can expire under a live request.
     max_stream_s: Seconds = 1800.0
 
+    @property
+    def longest_request_s(self) -> float:
+        """The longest a request may run: connect and first byte twice (one retry on another
+        backend), then the stream."""
+        return 2 * (self.connect_timeout_s + self.first_byte_timeout_s) + self.max_stream_s
+
 
 class BackendSpec(_Section, frozen=True):
     name: NonEmpty
@@ -472,9 +478,7 @@ def _check_fleet_sections(file: BackendsFile) -> list[str]:
 def _check_request_life(upstream: UpstreamSection, prices: PricesPolicy) -> list[str]:
     """A request must end before its hold can expire: the sweeper would release a hold whose
     stream is still running, and that stream would be free."""
-    # Connect and first byte twice (one retry on another backend), then the stream.
-    longest = (2 * (upstream.connect_timeout_s + upstream.first_byte_timeout_s)
-               + upstream.max_stream_s)
+    longest = upstream.longest_request_s
     if longest >= prices.hold_ttl_s:
         return [f"policies/prices.toml: hold_ttl_s: must exceed the longest a request may run, "
                 f"2 x (connect_timeout_s + first_byte_timeout_s) + max_stream_s from "

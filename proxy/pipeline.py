@@ -167,9 +167,7 @@ async def _acquire(request: web.Request, claim: idempotency.Claim, principal: Pr
                    tier: TierPolicy) -> web.Response | None:
     """Claim the Idempotency-Key before anything is held. A replay, a duplicate still running
     (409) or a key reused for another body (422) is counted like any refused request."""
-    config = request.app[CONFIG].upstream
-    pending_ttl = int(2 * (config.connect_timeout_s + config.first_byte_timeout_s)
-                      + config.max_stream_s) + 60  # about as long as a request may run
+    pending_ttl = int(request.app[CONFIG].upstream.longest_request_s) + 60
     try:
         replay = await claim.acquire(request.app[REDIS], pending_ttl)
     except RedisError:

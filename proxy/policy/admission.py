@@ -1,7 +1,7 @@
 """Admission: the tier's rate limit and the credit hold, in one Redis round trip.
 
 One Lua script (credits/lua/admit.lua), pipelined with the other admissions in flight on one
-connection (runtime.redis_batch), counts the request in the caller's sliding window (at most
+connection (runtime.script_pipe), counts the request in the caller's sliding window (at most
 N requests in ANY 60 s, exact across every worker and gateway: no double burst at a window edge),
 reads the figures the rate-limit headers need from that same step, and places the credit hold.
 A keyed caller's window lives beside its balance (same hash tag, same Redis); a guest holds
@@ -35,8 +35,8 @@ from proxy.config import TierPolicy
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
-from proxy.runtime.redis_batch import ScriptPipe
 from proxy.runtime.redis_process import StoreBusy
+from proxy.runtime.script_pipe import ScriptPipe
 
 log = logging.getLogger("proxy.policy.admission")
 

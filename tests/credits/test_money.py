@@ -134,6 +134,18 @@ async def test_an_unrenderable_answer_is_502_and_free(
 
 # -- 3: a client that leaves while the hold or the claim is being made ---------------------------
 
+async def leave_while_redis_stalls(redis: Redis, gw: TestServer, headers: dict[str, str]
+                                   ) -> None:
+    """Redis stalls 0.6 s; a chat request is sent meanwhile and its client gives up at 0.2 s."""
+    stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "0.6"))
+    await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+        with pytest.raises(TimeoutError):
+            await session.post(gw.make_url(ROUTES["compat"][0]), json=ROUTES["compat"][1],
+                               headers=headers)
+    await stall
+
+
 async def test_leaving_during_the_hold_leaves_no_hold(
     simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
 ) -> None:
@@ -144,13 +156,7 @@ async def test_leaving_during_the_hold_leaves_no_hold(
     redis = Redis.from_url(clean_redis.url)
     try:
         # Redis stalls: the admission script is in flight when the client gives up.
-        stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "0.6"))
-        await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
-            with pytest.raises(TimeoutError):
-                await session.post(gw.make_url(ROUTES["compat"][0]), json=ROUTES["compat"][1],
-                                   headers={"X-API-Key": key})
-        await stall
+        await leave_while_redis_stalls(redis, gw, {"X-API-Key": key})
         await settled(gw)
         ledger = Ledger(redis)
         assert await ledger.open_holds("acme") == {}
@@ -173,13 +179,7 @@ async def test_leaving_during_the_claim_leaves_a_short_lived_claim(
     assert (await call(gw, *ROUTES["compat"], {"X-API-Key": key}))[0] == 200  # key now cached
     redis = Redis.from_url(clean_redis.url)
     try:
-        stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "0.6"))
-        await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
-            with pytest.raises(TimeoutError):
-                await session.post(gw.make_url(ROUTES["compat"][0]), json=ROUTES["compat"][1],
-                                   headers={"X-API-Key": key, "Idempotency-Key": "k1"})
-        await stall
+        await leave_while_redis_stalls(redis, gw, {"X-API-Key": key, "Idempotency-Key": "k1"})
         await settled(gw)
         claims = [k async for k in redis.scan_iter("igw:{acme}:idem:*")]
         assert claims  # made after the client had gone

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractResolver
 from aiohttp.typedefs import Handler
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -27,6 +28,7 @@ from proxy.appkeys import (
     CONFIG,
     COUNTERS,
     DRAIN,
+    FETCHER,
     KEYSTORE,
     LEDGER,
     LIVE,
@@ -40,9 +42,10 @@ from proxy.appkeys import (
 from proxy.config import Config
 from proxy.credits.ledger import Ledger
 from proxy.credits.settler import Settler
+from proxy.families.handlers import ASR, IMAGE, TTS, VIDEO
 from proxy.http.middleware import gateway_middleware
 from proxy.identity.keystore import KeyStore
-from proxy.pipeline import chat_route
+from proxy.pipeline import chat_route, task_route
 from proxy.policy.admission import Admitter
 from proxy.reload import RELOADS, LivePolicies
 from proxy.runtime.background import stop_task
@@ -55,6 +58,7 @@ from proxy.styles.ollama import OllamaStyle
 from proxy.styles.openai import OpenAIStyle
 from proxy.styles.served import ServedStyle
 from proxy.upstream.client import Upstreams
+from proxy.upstream.fetch import MediaFetcher, rules_from
 from proxy.upstream.pool import Router
 from proxy.upstream.prober import FleetSync, Prober, probe_session
 
@@ -111,8 +115,14 @@ ROUTES: tuple[Route, ...] = (
           _ANTHROPIC),
     Route("POST", f"{_NATIVE}/api/chat", _native_chat, docs.NATIVE_CHAT, _OLLAMA),
     Route("POST", "/api/native/chat", _native_chat, docs.NATIVE_CHAT, _OLLAMA),  # spec's alias
+    # The other task families, on the same path (proxy.pipeline.task).
+    Route("POST", "/v2/audio/tts/engine", task_route(TTS), docs.TTS),
+    Route("POST", "/v2/audio/asr/engine", task_route(ASR), docs.ASR),
+    Route("POST", "/v2/image/{provider}/generate", task_route(IMAGE), docs.IMAGE),
+    Route("POST", "/v2/video/{provider}/t2v", task_route(VIDEO), docs.VIDEO),
     # Beside it.
     Route("GET", "/v2/models", models.list_models, docs.MODELS),
+    Route("GET", "/v2/audio/tts/presets", models.tts_presets, docs.TTS_PRESETS),
     Route("GET", "/v2/account", account.account, docs.ACCOUNT),
     Route("GET", "/v2/account/usage", account.usage, docs.ACCOUNT_USAGE),
     Route("GET", f"{_NATIVE}/api/tags", ollama_discovery.tags, docs.OLLAMA_TAGS,
@@ -143,16 +153,21 @@ OPENAPI_DOCUMENT = openapi.build_openapi(
     title="Inference Gateway", version=API_VERSION)
 
 
-def build_app(config: Config, *, redis_url: str) -> web.Application:
+def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | None = None
+              ) -> web.Application:
+    """`resolver`: the DNS resolver behind the audio fetcher's address checks (default: the
+    system's; tests pass a stub to play DNS rebinding)."""
     # Each route reads its own body under its own cap (proxy.http.body); this is a backstop.
+    caps = config.policies.requests
     app = web.Application(
         middlewares=[gateway_middleware],
-        client_max_size=config.policies.requests.chat.max_body_bytes,
+        client_max_size=max(caps.chat.max_body_bytes, caps.tts.max_body_bytes,
+                            caps.asr.max_body_bytes, caps.generation.max_body_bytes),
     )
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends, config.health)
     app[OPENAPI] = orjson.dumps(OPENAPI_DOCUMENT)
-    app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx, _health_ctx])
+    app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx(resolver), _health_ctx])
     app[ROUTE_STYLES] = {r.handler: r.style for r in ROUTES if r.style is not None}
     for route in ROUTES:
         if route.method == "GET":
@@ -192,11 +207,19 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
     return state_ctx
 
 
-async def _upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
-    app[UPSTREAMS] = Upstreams(app[CONFIG].upstream)
-    app[DRAIN] = Drain(app[UPSTREAMS])
-    yield
-    await app[UPSTREAMS].close()
+def _upstreams_ctx(resolver: AbstractResolver | None
+                   ) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[UPSTREAMS] = Upstreams(app[CONFIG].upstream)
+        app[DRAIN] = Drain(app[UPSTREAMS])
+        # Each fetch follows the live policy (MediaFetcher.follow); this is the first.
+        app[FETCHER] = MediaFetcher(rules_from(app[CONFIG].policies.requests.fetch),
+                                    resolver=resolver)
+        yield
+        await app[FETCHER].close()
+        await app[UPSTREAMS].close()
+
+    return upstreams_ctx
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

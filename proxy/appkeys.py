@@ -16,6 +16,7 @@ from proxy.reload import LivePolicies
 from proxy.runtime.drain import Drain
 from proxy.styles.base import ChatStyle
 from proxy.upstream.client import Upstreams
+from proxy.upstream.fetch import MediaFetcher
 from proxy.upstream.pool import Router
 
 CONFIG = web.AppKey("config", Config)
@@ -33,6 +34,7 @@ OPENAPI = web.AppKey("openapi", bytes)
 # Each route's style, by handler: the middleware renders even its own refusals in it.
 ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")
 DRAIN = web.AppKey("drain", Drain)
+FETCHER = web.AppKey("fetcher", MediaFetcher)  # audio fetched for clients, SSRF rules
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it

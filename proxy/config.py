@@ -8,6 +8,7 @@ check them, through the collector the request validator uses.
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -20,9 +21,17 @@ from proxy.validate import RequestInvalid, validate
 
 BackendKind = Literal["tgi", "vllm", "openai", "ollama", "whisper", "tts", "image", "video"]
 
+Family = Literal["chat", "tts", "asr", "image", "video"]
+
 # Backend kinds that serve OpenAI-compatible `/v1/chat/completions` (vLLM, TGI's Messages API,
 # OpenAI itself, Ollama's OpenAI dialect).
 CHAT_KINDS: frozenset[str] = frozenset({"tgi", "vllm", "openai", "ollama"})
+FAMILY_OF_KIND: dict[str, Family] = {
+    "tgi": "chat", "vllm": "chat", "openai": "chat", "ollama": "chat",
+    "whisper": "asr", "tts": "tts", "image": "image", "video": "video"}
+# The spec's TTS voice presets (what `preset_voice` may name).
+VOICE_PRESETS = ("Alice", "Avery", "Brock", "Chloe", "Ella", "Emma", "Grace", "Karen", "Kevin",
+                 "Lucas", "Matt", "William")
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
@@ -109,6 +118,18 @@ class BackendSpec(_Section, frozen=True):
     command: list[NonEmpty] | None = None
     env: dict[str, str] = {}  # merged over the gateway's environment
     cwd: str | None = None  # relative to the config folder (default: the folder itself)
+    # kind "tts": the server's voice for each preset (unlisted presets go in lower case), and
+    # the longest text it takes in one request (OpenAI's 4096): longer texts are spoken in
+    # pieces, split between sentences, and joined into one WAV.
+    voices: dict[str, NonEmpty] = {}
+    max_input_chars: Annotated[int, msgspec.Meta(ge=100, le=1_000_000)] = 4096
+    # kind "whisper": which wire it speaks: "openai" (OpenAI, vLLM, speaches:
+    # /v1/audio/transcriptions and /translations) or "whisper.cpp" (its server's /inference).
+    api: Literal["openai", "whisper.cpp"] = "openai"
+    # kinds "image" and "video": the <provider> of /v2/image/<provider>/generate and
+    # /v2/video/<provider>/t2v that this backend serves (default: its name).
+    provider: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None \
+        = None
 
 
 class HealthSection(_Section, frozen=True):
@@ -146,10 +167,57 @@ class ChatRequestPolicy(_Section, frozen=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
 
 
+Bytes = Annotated[int, msgspec.Meta(ge=1024, le=1024 * 1024 * 1024)]
+
+
+class TtsRequestPolicy(_Section, frozen=True):
+    # The spec's schema says 10,000 characters, another of its statements 2,000: choose here
+    # (at most the schema's 10,000).
+    max_characters: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 10_000
+    default_model: NonEmpty = "acme/csm-1b"
+    max_body_bytes: Bytes = 256 * 1024
+    # Largest audio a TTS server may answer with (it is checked, and converted when needed).
+    max_audio_bytes: Bytes = 128 * 1024 * 1024
+
+
+class AsrRequestPolicy(_Section, frozen=True):
+    default_model: NonEmpty = "acme/large-v3"
+    max_body_bytes: Bytes = 64 * 1024
+    # Longest audio accepted; a request holds this many seconds' price until it is measured.
+    max_audio_s: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 600
+
+
+class FetchPolicy(_Section, frozen=True):
+    """Audio the gateway fetches for a client (`audio_url`, `custom_voice.url`): SSRF rules."""
+
+    max_bytes: Bytes = 25 * 1024 * 1024
+    connect_timeout_s: Seconds = 3.0
+    timeout_s: Seconds = 20.0  # the whole fetch, redirects and body included
+    max_redirects: Annotated[int, msgspec.Meta(ge=0, le=10)] = 3
+    ports: list[Port] = msgspec.field(default_factory=lambda: [80, 443])
+    # Networks fetched from although not public (e.g. ["10.1.2.0/24"] for an internal media
+    # host). Everything else that is not a global address is refused.
+    allow_networks: list[NonEmpty] = []
+
+
+class GenerationRequestPolicy(_Section, frozen=True):
+    """Image and video requests (bodies go to the provider as they are)."""
+
+    max_body_bytes: Bytes = 1024 * 1024
+    max_images: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10  # `n` of one image request
+    # Longest video one request may ask for; held until the answer is measured.
+    max_video_s: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 20
+    max_media_bytes: Bytes = 256 * 1024 * 1024  # largest answer a provider may send
+
+
 class RequestsPolicy(_Section, frozen=True):
     """policies/requests.toml: caps on what a request may carry."""
 
     chat: ChatRequestPolicy = ChatRequestPolicy()
+    tts: TtsRequestPolicy = TtsRequestPolicy()
+    asr: AsrRequestPolicy = AsrRequestPolicy()
+    fetch: FetchPolicy = FetchPolicy()
+    generation: GenerationRequestPolicy = GenerationRequestPolicy()
 
 
 class KeysPolicy(_Section, frozen=True):
@@ -195,7 +263,6 @@ class AuthPolicy(_Section, frozen=True):
 
 
 Mode = Literal["direct", "network"]
-Family = Literal["chat", "tts", "asr", "image", "video"]
 PerMinute = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 STANDARD_GROUP = "standard"  # the group of every model no `[groups]` entry names
 ANY_GROUP = "*"
@@ -364,6 +431,8 @@ def load_config(folder: str | Path = ".") -> Config:
 
     if "tiers" in policies:
         problems.extend(_check_tiers(policies["tiers"]))
+    if "requests" in policies:
+        problems.extend(_check_networks(policies["requests"].fetch))
     if "auth" in policies:
         from proxy.identity.jwt import check_jwt_policy  # it imports this module
 
@@ -433,6 +502,10 @@ def _check_backends(file: BackendsFile) -> list[str]:
         for name in backend.forward_headers:
             if name.rstrip("*").lower() in NEVER_FORWARDED | {""}:
                 problems.append(f"{where}.forward_headers: {name!r} may never be forwarded")
+        for preset in backend.voices:
+            if preset not in VOICE_PRESETS:
+                problems.append(f"{where}.voices: {preset!r} is not a preset "
+                                f"({', '.join(VOICE_PRESETS)})")
         if backend.health_path and not backend.health_path.startswith("/"):
             problems.append(f"{where}.health_path: must start with '/' (or be \"\" for none)")
         problems.extend(_check_supervised(backend, where))
@@ -484,6 +557,17 @@ def _check_request_life(upstream: UpstreamSection, prices: PricesPolicy) -> list
                 f"2 x (connect_timeout_s + first_byte_timeout_s) + max_stream_s from "
                 f"backends.toml [upstream] ({longest:.0f} s)"]
     return []
+
+
+def _check_networks(fetch: FetchPolicy) -> list[str]:
+    problems = []
+    for network in fetch.allow_networks:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError:
+            problems.append(f"policies/requests.toml: fetch.allow_networks: {network!r} is not "
+                            "a network (e.g. 10.1.2.0/24)")
+    return problems
 
 
 def _check_tiers(tiers: TiersPolicy) -> list[str]:

@@ -1,4 +1,5 @@
-"""The request path of every chat route, in one function.
+"""The request path of every route that runs a model: `chat` (every chat style) and `task`
+(speech synthesis, speech recognition, image and video), each in one function.
 
     auth (401) -> parse + validate (400/413/415/422) -> model (404), its engines' context (422)
     + tier access (403) -> admission: rate limit (429) + credit hold (402), one Redis step
@@ -45,9 +46,10 @@ from proxy.appkeys import (
 from proxy.config import TierPolicy
 from proxy.credits import idempotency
 from proxy.credits.ledger import InsufficientCredits
-from proxy.credits.meter import ChatMeter, Result, Stage, open_chat_meter
-from proxy.credits.pricing import format_credits
+from proxy.credits.meter import Meter, Result, Stage, open_chat_meter, open_meter
+from proxy.credits.pricing import Units, format_credits, units_cost
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
+from proxy.families.handlers import Family, TaskResult
 from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
 from proxy.outcome import Outcome
@@ -55,16 +57,24 @@ from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, completion_cap, tier_of
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import wire
-from proxy.upstream.client import UpstreamFailure
+from proxy.upstream.client import UpstreamFailure, read_answer
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.relay import relay_stream
 from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
+COMPLETION_MAX_BYTES = 64 * 1024 * 1024  # a whole chat answer; more is not a completion
 # Streams that broke after the 200 went out: the client saw an in-band error event.
 _BROKEN_STREAMS = frozenset({Outcome.CUT, Outcome.TIMEOUT, Outcome.FAILED})
 
 log = logging.getLogger("proxy.pipeline")
+
+
+def task_route(family: Family) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await task(request, family)
+
+    return handler
 
 
 def chat_route(style: ChatStyle) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -115,7 +125,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
             if replay is not None:
                 return replay  # the first result again: nothing run, nothing held
             claimed = True  # ours from here, whatever happens to this request
-        request[RESPONSE_HEADERS] = (await _admit(request, meter, tier)).headers()
+        request[RESPONSE_HEADERS] = (await _admit(request, meter.meter, tier)).headers()
         response = await _forward(request, style, call, cap, pool, mode, request_id, result)
         return response
     except asyncio.CancelledError:
@@ -131,6 +141,45 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
             _keep_or_release(request, claim, result, response)
 
 
+async def task(request: web.Request, family: Family) -> web.StreamResponse:
+    """A speech, transcription, image or video request, start to finish: the chat path's order
+    (auth, parse, model, access, admission: limit + hold of the worst case), then the family
+    runs it (proxy.families.handlers) and the settlement charges the units it used."""
+    app = request.app
+    snapshot = app[LIVE].current
+    policies = snapshot.policies
+    principal = await snapshot.auth.principal(request.headers, request.remote)
+    tier = tier_of(policies.tiers, principal.tier)
+    try:
+        raw = await read_capped(request, family.max_body_bytes(policies))
+        job = family.parse(request, parse_json_object(raw), policies)
+        pool = family.pool(app[ROUTER], request, job, policies)  # 404
+        check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
+                     mode="network" if job.mode == "network" else "direct")
+        mode = _direct_only(job.mode)
+        if job.async_:
+            raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async tasks are not available yet")
+    except GatewayError:
+        await _count_refused(request, principal, tier)
+        raise
+
+    rates = policies.prices.for_model(pool.model, mode)
+    meter = open_meter(policies.prices, principal, pool.model, mode, family.name,
+                       request[REQUEST_ID], units_cost(rates, job.worst))
+    result = TaskResult()
+    try:  # entered before the first await that can place a hold
+        request[RESPONSE_HEADERS] = (await _admit(request, meter, tier)).headers()
+        return await family.run(request, job, pool, result)
+    except asyncio.CancelledError:
+        result.status = Outcome.CLIENT_GONE
+        raise
+    finally:
+        if result.status not in (Outcome.COMPLETED, Outcome.CLIENT_GONE):
+            result.used = Units()  # failed before the answer went out: nothing to charge
+        meter.charge(app[SETTLER], app[LEDGER].settle_script, result.status,
+                     units_cost(rates, result.used), result.used.counts(), {})
+
+
 async def _count_refused(request: web.Request, principal: Principal, tier: TierPolicy) -> None:
     """Count a request refused before admission; a 429 replaces its own error, an unreachable
     store does not (the client's own fault is the better answer then)."""
@@ -143,7 +192,7 @@ async def _count_refused(request: web.Request, principal: Principal, tier: TierP
     request[RESPONSE_HEADERS] = window.headers()
 
 
-async def _admit(request: web.Request, meter: ChatMeter, tier: TierPolicy) -> Window:
+async def _admit(request: web.Request, meter: Meter, tier: TierPolicy) -> Window:
     principal = meter.principal
     meter.stage = Stage.ADMITTING
     try:
@@ -267,8 +316,12 @@ def _check_context(call: ChatCall, context: int | None) -> None:
 
 
 def _direct_mode(call: ChatCall) -> str:
+    return _direct_only(call.mode)
+
+
+def _direct_only(mode: str | None) -> str:
     """`auto` and `direct` run on the model's direct pool; no network-mode pools exist yet."""
-    if call.mode == "network":
+    if mode == "network":
         raise GatewayError(
             ErrorKind.NOT_FOUND, "network mode is not offered for this model; use direct or auto"
         )
@@ -276,14 +329,7 @@ def _direct_mode(call: ChatCall) -> str:
 
 
 async def _read_completion(upstream: aiohttp.ClientResponse) -> dict[str, Any]:
-    try:
-        raw = await upstream.read()
-    except (aiohttp.ServerTimeoutError, TimeoutError):
-        raise GatewayError(ErrorKind.UPSTREAM_TIMEOUT, "the model server did not finish in time")\
-            from None
-    except aiohttp.ClientError:  # nothing reached the client yet: another backend may answer
-        raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR, "the model server broke off its answer",
-                              retryable=True) from None
+    raw = await read_answer(upstream, COMPLETION_MAX_BYTES)
     try:
         completion = orjson.loads(raw)
     except orjson.JSONDecodeError:

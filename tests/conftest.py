@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp.abc import AbstractResolver
 from aiohttp.test_utils import TestServer
 from aiohttp.web_runner import BaseRunner
 from redis.asyncio import Redis
@@ -166,7 +167,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
                     models: tuple[str, ...] = (MODEL,),
                     upstream: dict[str, Any] | None = None,
                     server: dict[str, Any] | None = None,
-                    policies: dict[str, str] | None = None) -> TestServer:
+                    policies: dict[str, str] | None = None,
+                    resolver: AbstractResolver | None = None) -> TestServer:
         backends = []
         for i, up in enumerate(upstreams):
             if isinstance(up, dict):
@@ -179,7 +181,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
         policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
         folder = write_config(tmp_path / "config", backends, upstream=upstream, server=server,
                               policies=policies)
-        app: web.Application = build_app(load_config(folder), redis_url=redis_server.url)
+        app: web.Application = build_app(load_config(folder), redis_url=redis_server.url,
+                                         resolver=resolver)
         gw = GatewayTestServer(app)
         await gw.start_server()  # handler_cancellation is on, as in serve
         servers.append(gw)

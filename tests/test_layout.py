@@ -17,7 +17,9 @@ PURE = [
     "proxy.styles.base", "proxy.styles.openai", "proxy.styles.served", "proxy.styles.anthropic",
     "proxy.styles.ollama", "proxy.policy.tiers", "proxy.credits.pricing", "proxy.headers",
     "proxy.http.sse", "proxy.errors", "proxy.validate", "proxy.upstream.wire", "proxy.outcome",
-    "proxy.ids",
+    "proxy.ids", "proxy.families.tts", "proxy.families.asr", "proxy.families.generation",
+    "proxy.families.languages", "proxy.media.audio", "proxy.media.wav", "proxy.media.containers",
+    "proxy.media.visual",
 ]
 IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")
 # The top level holds the entry points, the wiring and the vocabulary every package shares.

@@ -27,7 +27,8 @@ PAGE_MAX = 200
 ENTRY_ID_PATTERN = r"([0-9]{1,20})-([0-9]{1,20})"  # a journal (Redis Stream) entry id
 _ENTRY_ID = re.compile(ENTRY_ID_PATTERN)
 _UJSON_INT_MAX = 2**64 - 1
-_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost")
+_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "characters", "images", "cost")
+_SECONDS = {"audio_ms": "audio_seconds", "video_ms": "video_seconds"}  # kept in ms
 
 
 async def _caller(request: web.Request) -> Principal:
@@ -132,6 +133,8 @@ def summarize(totals: dict[str, int]) -> dict[str, Any]:
 
 def _view(counts: dict[str, int]) -> dict[str, Any]:
     out: dict[str, Any] = {name: counts.get(name, 0) for name in _FIELDS}
+    for ms, seconds in _SECONDS.items():
+        out[seconds] = counts.get(ms, 0) / 1000
     out["cost"] = _money(out["cost"])
     return out
 

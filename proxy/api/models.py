@@ -13,11 +13,9 @@ import orjson
 from aiohttp import web
 
 from proxy.appkeys import CONFIG, LIVE, ROUTER
-from proxy.config import BackendSpec, Rates
+from proxy.config import FAMILY_OF_KIND, VOICE_PRESETS, BackendSpec, Rates
 from proxy.policy.tiers import denial
 
-FAMILY_OF_KIND = {"tgi": "chat", "vllm": "chat", "openai": "chat", "ollama": "chat",
-                  "whisper": "asr", "tts": "tts", "image": "image", "video": "video"}
 SOURCE_OF_FAMILY = {"chat": "compat", "asr": "audio", "tts": "audio", "image": "image",
                     "video": "video"}
 OFFERED_MODES = ("direct",)  # network-mode pools do not exist yet
@@ -61,3 +59,10 @@ def _price(rates: Rates, version: str) -> dict[str, Any]:
               "per_audio_second", "per_image", "per_video_second")
     price = {name: getattr(rates, name) for name in fields if getattr(rates, name)}
     return {"unit": "micro-credits", "version": version, **price}
+
+
+async def tts_presets(request: web.Request) -> web.Response:
+    """GET /v2/audio/tts/presets: the voices `preset_voice` may name, to guests and keys alike
+    (a credential that is present must be valid)."""
+    await request.app[LIVE].current.auth.principal(request.headers, request.remote)
+    return web.Response(body=orjson.dumps(list(VOICE_PRESETS)), content_type="application/json")

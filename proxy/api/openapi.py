@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, NamedTuple
 
 import msgspec
 import orjson
@@ -385,16 +385,42 @@ def _response(response: Response, schema_of: dict[object, Any]) -> dict[str, Any
 
 async def document(request: web.Request) -> web.Response:
     app = request.app
-    tiers = tuple(sorted(set(app[appkeys.LIVE].current.policies.tiers.tiers) - {GUEST_TIER}))
-    body = _live(app[appkeys.OPENAPI], tiers, tuple(app[appkeys.ROUTER].chat_models))
+    policies = app[appkeys.LIVE].current.policies
+    tiers = tuple(sorted(set(policies.tiers.tiers) - {GUEST_TIER}))
+    caps = policies.requests
+    router = app[appkeys.ROUTER]
+    body = _live(app[appkeys.OPENAPI], tiers, tuple(router.chat_models),
+                 Limits(caps.tts.max_characters, caps.generation.max_images,
+                        caps.generation.max_video_s),
+                 (tuple(router.providers("image")), tuple(router.providers("video"))))
     return web.Response(body=body, content_type=JSON)
 
 
+class Limits(NamedTuple):
+    """requests.toml's bounds that the schemas state at their widest."""
+
+    tts_characters: int
+    images: int
+    video_s: int
+
+
 @lru_cache(maxsize=8)
-def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...]) -> bytes:
-    """The built document with the tiers keys may be issued for and the models served."""
+def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...], limits: Limits,
+          providers: tuple[tuple[str, ...], tuple[str, ...]]) -> bytes:
+    """The built document with the tiers keys may be issued for, the models and providers
+    served, and this gateway's own request limits."""
     doc = orjson.loads(base)
     schemas = doc["components"]["schemas"]
+    schemas["TtsRequest"]["properties"]["text"]["maxLength"] = limits.tts_characters
+    _set_maximum(schemas["ImageRequest"]["properties"]["n"], limits.images)
+    for name in ("seconds", "duration"):
+        _set_maximum(schemas["VideoRequest"]["properties"][name], limits.video_s)
+    for family, names in zip(("image", "video"), providers, strict=True):
+        for path, item in doc["paths"].items():
+            if path.startswith(f"/v2/{family}/") and names:
+                for param in item["post"]["parameters"]:
+                    if param["name"] == "provider":
+                        param["schema"]["enum"] = list(names)
     schemas["CreateKeyBody"]["properties"]["tier"]["enum"] = list(tiers)
     for name in ("ChatRequest", "ServedChatRequest", "MessagesRequest", "OllamaChatRequest"):
         if models:
@@ -406,3 +432,9 @@ def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...]) -> bytes
             if models and isinstance(example, dict) and example.get("model") == EXAMPLE_MODEL:
                 example["model"] = models[0]
     return orjson.dumps(doc)
+
+
+def _set_maximum(schema: dict[str, Any], maximum: int) -> None:
+    for branch in schema.get("anyOf", [schema]):
+        if "maximum" in branch:
+            branch["maximum"] = maximum

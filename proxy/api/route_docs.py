@@ -41,6 +41,9 @@ from proxy.api.openapi import (
 )
 from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
 from proxy.credits.idempotency import MAX_KEY_LENGTH
+from proxy.families.asr import AsrRequest
+from proxy.families.generation import ImageRequest, VideoRequest
+from proxy.families.tts import TtsRequest
 from proxy.identity.apikeys import KEY_ID_HEX, KEY_ID_PREFIX
 from proxy.identity.keystore import ACCOUNT_PATTERN
 from proxy.styles.anthropic_schema import MessagesRequest
@@ -132,6 +135,10 @@ class UsageTotals(msgspec.Struct, kw_only=True):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    characters: Annotated[int, Meta(description="Speech synthesis input")]
+    audio_seconds: Annotated[float, Meta(description="Speech recognition input, decoded")]
+    images: int
+    video_seconds: float
     cost: Money
 
 
@@ -171,6 +178,34 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     tiers: Annotated[dict[str, list[str]], Meta(description="Mode -> tiers that may use it")]
     price: JSONObject
     healthy: bool
+
+
+class AsrSegment(msgspec.Struct, kw_only=True):
+    id: int
+    start: float
+    end: float
+    text: str
+
+
+class AsrWord(msgspec.Struct, kw_only=True):
+    word: str
+    start: float
+    end: float
+
+
+class AsrAnswer(msgspec.Struct, kw_only=True):
+    """The spec's ASR response, plus segments or words when `return_timestamps` asks."""
+
+    text: str
+    language: Annotated[str, Meta(description="ISO 639-1 code")]
+    duration: Annotated[float, Meta(description="Seconds of audio (as the gateway decoded it)")]
+    segments: Annotated[list[AsrSegment] | None,
+                        Meta(description="With return_timestamps: true")] = None
+    words: Annotated[list[AsrWord] | None,
+                     Meta(description="With return_timestamps: \"word\"")] = None
+    words_estimated: Annotated[bool | None, Meta(
+        description="true: the server gave segments only; word times are spread over each "
+                    "segment by character offset")] = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -296,6 +331,70 @@ MODELS: Final = Doc(
                 "family, the tiers that may use it, its price and whether it is healthy.",
     responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
     tags=("models",),
+)
+_TASK_ERRORS: Final = (400, 401, 402, 403, 404, 413, 415, 429, 501, 502, 503, 504)
+_TASK_HEADERS: Final = {"X-Task-Id": TASK_ID, **RATE_LIMIT}
+
+
+def _task(summary: str, description: str, ok: Response, request: object,
+          example: JSONObject | None, tag: str) -> Doc:
+    return Doc(
+        summary=summary, description=description, request=request, example=example,
+        tags=(tag,),
+        responses={
+            200: ok,
+            **errors("gateway", *_TASK_ERRORS),
+            422: error("gateway", 422, "Schema or usage-rule failure (validation_error), "
+                                       "every fault listed"),
+        },
+    )
+
+
+TTS: Final = _task(
+    "Text to speech",
+    "Speaks `text` with a preset voice, a cloned voice (`custom_voice`: the gateway fetches the "
+    "sample itself, from public http(s) hosts only) or, with neither, a random preset (named in "
+    "`X-Voice`). The answer is a WAV file: 16-bit PCM, mono, 24 kHz, whatever rate the model "
+    "server used; a text longer than the server takes at once is spoken in pieces, split "
+    "between sentences, and joined. Charged per character of `text`. `async: true` answers "
+    "501 until async tasks exist.",
+    Response("The speech, as WAV", None, "audio/wav",
+             {**_TASK_HEADERS, "X-Voice": Header("The preset spoken with, or `custom`")}),
+    TtsRequest, {"text": "Hello there.", "preset_voice": "Alice"}, "audio",
+)
+ASR: Final = _task(
+    "Speech to text",
+    "The gateway fetches `audio_url` (http or https, public hosts only, at most 3 redirects, "
+    "25 MB and 20 s by default; every failure answers the same 422), reads its format from its "
+    "content (WAV, MP3, M4A, WEBM, FLAC or OGG) and its length, and sends it to a Whisper "
+    "server. Charged per second of the audio (the longer of the file's own length and the "
+    "server's). ASR runs in direct mode only. No example here: a URL must answer with audio, "
+    "e.g. `{\"audio_url\": \"https://media.example.com/hello.wav\"}`.",
+    Response("The transcription", AsrAnswer, JSON, _TASK_HEADERS),
+    AsrRequest, None, "audio",
+)
+IMAGE: Final = _task(
+    "Image generation by a provider (Pro tier and up)",
+    "The body goes to the provider as it is, minus `mode` and `async` (fields not listed here "
+    "are the provider's to judge); `model` defaults to the provider's first model, `n` (1-10 "
+    "by default) is the number of images held for. The provider's answer comes back as it is "
+    "(OpenAI Images: `{created, data: [{b64_json}]}`). Charged per image delivered.",
+    Response("The provider's answer", None, (JSON, "image/png")),
+    ImageRequest, {"prompt": "a lighthouse at dusk", "n": 1}, "image",
+)
+VIDEO: Final = _task(
+    "Text to video by a provider (Max tier)",
+    "The body goes to the provider as it is, minus `mode` and `async`; `seconds` (or "
+    "`duration`) is the length held for, at most 20 by default. The video comes back as the "
+    "provider sent it. Charged per second of the video as decoded.",
+    Response("The video", None, ("video/x-msvideo", "video/mp4", JSON)),
+    VideoRequest, {"prompt": "waves on a beach", "seconds": 2}, "video",
+)
+TTS_PRESETS: Final = Doc(
+    summary="List voice presets",
+    description="The names `preset_voice` takes; open to guests and keys alike.",
+    responses={200: Response("Preset names", list[str]), **errors("gateway", 401)},
+    tags=("audio",),
 )
 _ACCOUNT_ERRORS: Final = {401: error("gateway", 401, "No key or token, or not a valid one "
                                                      "(invalid_api_key)"),

@@ -8,7 +8,8 @@ Per account A (keys share the hash tag `{A}`, so each script stays in one Cluste
     igw:{A}:hold_exp  zset    hold id -> expiry (unix seconds on Redis' clock)
     igw:{A}:journal   stream  one entry per credit and one terminal entry per hold
     igw:{A}:usage     hash    running totals: all|…, m|<model>|…, d|<day number>|… (requests,
-                              prompt_tokens, completion_tokens, cost), kept by the settle script
+                              cost, and each unit used: prompt_tokens, completion_tokens,
+                              characters, audio_ms, images, video_ms), kept by the settle script
     igw:{A}:ended     zset    hold and top-up ids done in the last two minutes (a retried settle
                               or top-up whose reply was lost changes nothing)
     igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)
@@ -146,7 +147,7 @@ class Ledger:
         """End the hold: charge min(cost, held), release the rest, journal it. Exactly once:
         None when the hold had already ended (settled, released or swept). (Requests settle
         through `credits.settler`, batched; this is the same script, one call.)"""
-        keys, args = settle_call(account, hold_id, cost, 0, status, "", 0, 0, details, keep, 0)
+        keys, args = settle_call(account, hold_id, cost, 0, status, "", {}, details, keep, 0)
         charged = await self.settle_script(keys=keys, args=args)
         return None if int(charged) < 0 else int(charged)
 
@@ -245,10 +246,13 @@ class Ledger:
 
 
 def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, model: str,
-                prompt: int, completion: int, details: Mapping[str, object], keep: int,
+                units: Mapping[str, int], details: Mapping[str, object], keep: int,
                 ttl_s: int) -> tuple[list[str], list[Arg]]:
-    """KEYS and ARGV of one settle script call (see lua/settle.lua)."""
+    """KEYS and ARGV of one settle script call (see lua/settle.lua); `units` are what the
+    running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...)."""
     keys = AccountKeys.of(account)
+    args: list[Arg] = [hold_id, cost, held, status, model, orjson.dumps(details), keep, ttl_s]
+    for unit, count in units.items():
+        args += (unit, count)
     return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended],
-            [hold_id, cost, held, status, model, prompt, completion, orjson.dumps(details), keep,
-             ttl_s])
+            args)

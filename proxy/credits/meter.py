@@ -1,11 +1,12 @@
 """One request's credits: the worst case it holds, and its settlement, queued exactly once.
 
-`open_chat_meter` prices the request's worst case (pure: the hold itself is placed by admission,
-in the same Redis step as the rate limit); `ChatMeter.settle` charges what the request actually
-used on every exit path — success, upstream failure (nothing), cut stream or client gone (what was
-delivered), timeout, cancellation — and journals it. It queues the write (credits.settler) and
-returns at once, so it cannot be interrupted half-way and never delays the answer. Guests hold
-nothing and pay nothing, but their usage is journaled.
+`open_meter` takes the request's worst case (priced by credits.pricing; the hold itself is placed
+by admission, in the same Redis step as the rate limit); `Meter.charge` charges what the request
+actually used (`ChatMeter` prices tokens, the other families their own units) on every exit path:
+success, upstream failure (nothing), cut stream or client gone (what was delivered), timeout,
+cancellation, and journals it. It queues the write (credits.settler) and returns at once, so it
+cannot be interrupted half-way and never delays the answer. Guests hold nothing and pay nothing,
+but their usage is journaled.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ class Stage(enum.Enum):
 
 
 @dataclass(slots=True)
-class ChatMeter:
+class Meter:
+    """One request's hold and its single settlement, whatever the task family."""
+
     principal: Principal
-    rates: Rates
     prices: PricesPolicy
-    body: dict[str, Any]
     model: str
     details: dict[str, object]  # the journal fields known at admission
     hold: Hold | None  # None for guests
@@ -59,11 +60,11 @@ class ChatMeter:
     started: float = field(default_factory=time.monotonic)
     _settled: bool = False
 
-    def settle(self, settler: Settler, script: AsyncScript, result: Result) -> None:
-        """Queue the charge of what was used (or the release, or a guest's journal entry).
-
-        Safe to call whatever happened before: a hold that may exist is ended (the settle script
-        does nothing for one that was never placed). Exactly once."""
+    def charge(self, settler: Settler, script: AsyncScript, status: Outcome, cost: int,
+               units: dict[str, int], details: dict[str, object]) -> None:
+        """Queue the charge of `cost` for what was used (or the release, or a guest's journal
+        entry). Safe to call whatever happened before: a hold that may exist is ended (the
+        settle script does nothing for one that was never placed). Exactly once."""
         if self._settled:
             return
         self._settled = True
@@ -71,18 +72,9 @@ class ChatMeter:
             return  # nothing held, nothing used
         if self.hold is None and self.stage is not Stage.ADMITTED:
             return  # a guest that was not admitted used nothing
-        usage = self._usage(result) or ChatUsage(0, 0)
-        cost = chat_cost(self.rates, usage)
-        details = {
-            **self.details,
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "estimated": usage.estimated,
-            "price": cost,
-            "latency_ms": int((time.monotonic() - self.started) * 1000),
-            "ts": int(time.time()),
-        }
+        entry = {**self.details, **units, **details, "price": cost,
+                 "latency_ms": int((time.monotonic() - self.started) * 1000),
+                 "ts": int(time.time())}
         prices = self.prices
         if self.hold is None:
             keep, ttl = prices.guest_journal_max_entries, prices.guest_journal_ttl_s
@@ -90,9 +82,42 @@ class ChatMeter:
             keep, ttl = prices.journal_max_entries, 0
         keys, args = settle_call(
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
-            self.hold.amount if self.hold else 0, result.status, self.model, usage.prompt_tokens,
-            usage.completion_tokens, details, keep, ttl)
+            self.hold.amount if self.hold else 0, status, self.model, units, entry, keep, ttl)
         settler.settle(script, keys, args)
+
+
+def open_meter(prices: PricesPolicy, principal: Principal, model: str, mode: str, route: str,
+               request_id: str, worst: int) -> Meter:
+    """A meter whose hold is `worst` micro-credits (guests hold nothing)."""
+    details: dict[str, object] = {
+        "key_id": principal.key_id or "", "model": model, "mode": mode, "route": route,
+        "request_id": request_id, "price_version": prices.version,
+    }
+    hold = None
+    if principal.kind != "guest":
+        hold = Hold(new_hold_id(), worst, prices.hold_ttl_s)
+        details["held_max"] = worst
+    return Meter(principal, prices, model, details, hold)
+
+
+@dataclass(slots=True)
+class ChatMeter:
+    """A chat request's meter: its charge is priced from the tokens it used."""
+
+    meter: Meter
+    rates: Rates
+    body: dict[str, Any]
+
+    @property
+    def principal(self) -> Principal:
+        return self.meter.principal
+
+    def settle(self, settler: Settler, script: AsyncScript, result: Result) -> None:
+        usage = self._usage(result) or ChatUsage(0, 0)
+        units = {"prompt_tokens": usage.prompt_tokens,
+                 "completion_tokens": usage.completion_tokens}
+        self.meter.charge(settler, script, result.status, chat_cost(self.rates, usage), units,
+                          {"cached_tokens": usage.cached_tokens, "estimated": usage.estimated})
 
     def _usage(self, result: Result) -> ChatUsage | None:
         chunks = result.chunks
@@ -109,13 +134,6 @@ def open_chat_meter(prices: PricesPolicy, principal: Principal, model: str, body
                     cap: int, mode: str, route: str, request_id: str) -> ChatMeter:
     """Price the request's worst case (the completion cap times `n` plus a bound on the prompt)."""
     rates = prices.for_model(model, mode)
-    details: dict[str, object] = {
-        "key_id": principal.key_id or "", "model": model, "mode": mode, "route": route,
-        "request_id": request_id, "price_version": prices.version,
-    }
-    hold = None
-    if principal.kind != "guest":
-        worst = chat_hold(rates, body, cap)
-        hold = Hold(new_hold_id(), worst, prices.hold_ttl_s)
-        details["held_max"] = worst
-    return ChatMeter(principal, rates, prices, body, model, details, hold)
+    worst = chat_hold(rates, body, cap) if principal.kind != "guest" else 0
+    meter = open_meter(prices, principal, model, mode, route, request_id, worst)
+    return ChatMeter(meter, rates, body)

@@ -125,3 +125,28 @@ def _texts(body: dict[str, Any]) -> Iterable[str]:
     tools = body.get("tools")
     if tools:
         yield orjson.dumps(tools).decode()  # its JSON: no recursion of ours, bytes >= tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Units:
+    """What a speech, transcription, image or video request used (or may use, for its hold).
+    Seconds are kept as milliseconds so the ledger stays in integers."""
+
+    characters: int = 0  # TTS input
+    audio_ms: int = 0  # ASR input, from the decoded audio
+    images: int = 0
+    video_ms: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """The non-zero units, as the running totals and the journal name them."""
+        return {name: value for name in self.__slots__ if (value := getattr(self, name))}
+
+
+def units_cost(rates: Rates, units: Units) -> int:
+    """Exact sum over the units, rounded up once: per 1k characters, per audio second, per
+    image, per video second."""
+    exact = (units.characters * rates.per_1k_characters
+             + units.audio_ms * rates.per_audio_second
+             + units.images * rates.per_image * 1000
+             + units.video_ms * rates.per_video_second)
+    return -(-exact // 1000)

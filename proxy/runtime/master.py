@@ -197,7 +197,7 @@ def serve(config: Config, *, host: str | None, port: int | None,
             os.environ[RATE_LIMIT_URL_ENV] = limits.url  # inherited by the workers
     models = ", ".join(app_models(config)) or "none"
     supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
-    print(f"inference gateway on http://{host}:{port} (redis: {where}; chat models: "
+    print(f"inference gateway on http://{host}:{port} (redis: {where}; models: "
           f"{models}; workers: {count}; supervised backends: {supervised})", flush=True)
     return run_master(config, host=host, port=port, workers=count, redis_url=redis_url,
                       embedded=embedded)

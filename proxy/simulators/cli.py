@@ -13,8 +13,14 @@ from aiohttp import web
 from proxy.simulators import KINDS, SimConfig, build_app
 from proxy.simulators.runtime import STATE
 
-DEFAULT_PORTS = {"tgi": 3000, "vllm": 8000}
+# The chat kinds listen where the real servers do. The media kinds' ports are this project's
+# choice, apart from the usual 8000/8080 so they can run beside a vLLM: 8880 is Kokoro-FastAPI's
+# and 8188 ComfyUI's.
+DEFAULT_PORTS = {"tgi": 3000, "vllm": 8000, "tts": 8880, "whisper": 8178, "image": 8188,
+                 "video": 8189}
 DEFAULT_MODEL = "acme/small-chat"
+DEFAULT_MODELS = {"tts": "acme/csm-1b", "whisper": "acme/whisper-large-v3",
+                  "image": "acme/image-gen", "video": "acme/video-gen"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,17 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         default=None,
-        help="default: 3000 for tgi, 8000 for vllm (the real defaults)",
+        help="default: 3000 tgi, 8000 vllm, 8880 tts, 8178 whisper, 8188 image, 8189 video",
     )
     parser.add_argument(
         "--model",
         action="append",
         dest="models",
         metavar="NAME",
-        help=f"served model, repeatable (default {DEFAULT_MODEL}); TGI serves the first only",
+        help=f"served model, repeatable (default {DEFAULT_MODEL}; tts {DEFAULT_MODELS['tts']}, "
+        f"whisper {DEFAULT_MODELS['whisper']}, image {DEFAULT_MODELS['image']}, video "
+        f"{DEFAULT_MODELS['video']}); TGI serves the first only",
     )
     parser.add_argument(
-        "--ttft-ms", type=float, default=0.0, help="time to first token, milliseconds"
+        "--ttft-ms", type=float, default=0.0,
+        help="time to first token, milliseconds (media kinds: processing time)"
     )
     parser.add_argument(
         "--tokens-per-s",
@@ -70,11 +79,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="report usage.prompt_tokens_details.cached_tokens")
     vllm.add_argument("--block-size", type=int, default=16,
                       help="prefix-cache block: a repeated prompt hits in whole blocks")
+    media = parser.add_argument_group("tts, whisper")
+    media.add_argument("--voice", action="append", dest="voices", metavar="NAME",
+                       help="tts: an accepted voice, repeatable (default: OpenAI's 11 voices "
+                       "and CSM's 12 presets)")
+    media.add_argument("--sample-rate", type=_sample_rate, default=24000,
+                       help="tts: output sample rate (CSM: 24000; Piper: 22050)")
+    media.add_argument("--word-timestamps", action="store_true",
+                       help="whisper: answer timestamp_granularities[]=word with OpenAI's "
+                       "top-level words (vLLM leaves them null)")
+    media.add_argument("--whisper-cpp-errors-200", action="store_true",
+                       help="whisper: /inference errors come with HTTP 200, as up to v1.8.x")
+
+
+def _sample_rate(text: str) -> int:
+    rate = int(text)
+    if not 1000 <= rate <= 384_000:
+        raise argparse.ArgumentTypeError(f"a sample rate is 1000-384000 Hz, not {rate}")
+    return rate
 
 
 def config_from(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
-        models=tuple(args.models or (DEFAULT_MODEL,)),
+        models=tuple(args.models or (DEFAULT_MODELS.get(args.kind, DEFAULT_MODEL),)),
         ttft_ms=args.ttft_ms,
         tokens_per_s=args.tokens_per_s,
         max_concurrency=args.max_concurrency,
@@ -85,6 +112,10 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         max_queued=args.max_queued,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         block_size=args.block_size,
+        voices=tuple(args.voices or ()),
+        sample_rate=args.sample_rate,
+        word_timestamps=args.word_timestamps,
+        whisper_cpp_errors_200=args.whisper_cpp_errors_200,
     )
 
 

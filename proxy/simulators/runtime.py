@@ -1,8 +1,10 @@
-"""Per-app state and the request lifecycle shared by the TGI and vLLM simulators.
+"""Per-app state and the request lifecycle shared by every simulator.
 
 Every inference route runs through `inference()`: it records the request for
 `/_sim/requests`, applies the `x-sim-*` faults, renders errors in the server's own envelope
 and turns a client disconnect into the "cancelled" outcome. Handlers only generate.
+Media routes opt into form parsing (`form=True`: multipart uploads, recorded as their fields
+and file sizes, never the raw bytes) and into an error envelope of their own (`errors=`).
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import asyncio
 import gzip
 import math
 import time
+import urllib.parse
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Literal, NoReturn, TypeVar
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.simulators.engine import Latencies, PrefixCache
 from proxy.simulators.faults import (
@@ -56,24 +61,67 @@ class SimConfig:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (cached tokens)
     block_size: int = 16  # prefix-cache block: a repeated prompt hits in whole blocks
     death_close_s: float = 3.0  # after an engine death the port closes within this long
+    # Media kinds (`simulate tts|whisper|image|video`); the chat kinds ignore these.
+    voices: tuple[str, ...] = ()  # tts: accepted voices; () = the default list
+    sample_rate: int = 24000  # tts: output rate (22050 emulates Piper)
+    word_timestamps: bool = False  # whisper: honour timestamp_granularities[]=word (vLLM won't)
+    whisper_cpp_errors_200: bool = False  # whisper /inference: errors with HTTP 200 (<= v1.8)
+
+
+@dataclass(frozen=True, slots=True)
+class FormField:
+    """One field of a form body; repeated names (`timestamp_granularities[]`) stay separate."""
+
+    name: str
+    value: str | bytes
+    filename: str | None = None
+    content_type: str | None = None
+
+    @property
+    def is_file(self) -> bool:
+        # As Starlette decides: a part with a filename is an upload, and so is a part whose
+        # bytes are not text (aiohttp keeps those as bytes).
+        return self.filename is not None or isinstance(self.value, bytes)
+
+
+def form_summary(fields: Sequence[FormField]) -> dict[str, object]:
+    """What `/_sim/requests` shows of a form: text fields, and each file's name, type and size.
+
+    A name ending in `[]` always maps to a list; other repeated names become lists too.
+    """
+    out: dict[str, object] = {}
+    for field in fields:
+        value: object = field.value
+        if field.is_file:
+            value = {"filename": field.filename, "content_type": field.content_type,
+                     "size": len(field.value)}
+        if field.name in out:
+            seen = out[field.name]
+            out[field.name] = [*seen, value] if isinstance(seen, list) else [seen, value]
+        else:
+            out[field.name] = [value] if field.name.endswith("[]") else value
+    return out
 
 
 class Record:
     """One inference request as `/_sim/requests` shows it; the body is parsed only on read."""
 
-    __slots__ = ("body", "headers", "outcome", "path")
+    __slots__ = ("body", "form", "headers", "outcome", "path")
 
     def __init__(self, path: str, headers: Mapping[str, str]) -> None:
         self.path = path
         self.headers = headers
         self.body = b""
+        self.form: dict[str, object] | None = None  # form bodies: summarised when read
         self.outcome: str | None = None  # null while in flight
 
     def as_json(self) -> dict[str, object]:
-        try:
-            body = orjson.loads(self.body) if self.body else None
-        except orjson.JSONDecodeError:
-            body = None
+        body: object = self.form
+        if body is None:
+            try:
+                body = orjson.loads(self.body) if self.body else None
+            except orjson.JSONDecodeError:
+                body = None
         headers = {name.lower(): value for name, value in self.headers.items()}
         return {"path": self.path, "headers": headers, "body": body, "outcome": self.outcome}
 
@@ -159,13 +207,40 @@ STATE = web.AppKey("sim_state", SimState)
 
 
 class HttpError(Exception):
-    """Answered with the server's own JSON error envelope."""
+    """Answered with the server's own JSON error envelope (`code`: OpenAI's string code)."""
 
     def __init__(self, status: int, message: str, error_type: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.error_type = status, message, error_type
-        self.param = param
+        self.param, self.code = param, code
+
+
+# A route's own error envelope; routes without one get their kind's (faults.error_response).
+ErrorStyle = Callable[[HttpError], web.Response]
+
+
+def openai_error(exc: HttpError) -> web.Response:
+    """OpenAI's envelope (protocols.md §1.6): all four keys, `code` a string or null."""
+    if exc.error_type is not None:
+        error_type = exc.error_type
+    elif exc.status == 429:
+        error_type = "requests"
+    else:
+        error_type = "server_error" if exc.status >= 500 else "invalid_request_error"
+    code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else None)
+    body = {"error": {"message": exc.message, "type": error_type, "param": exc.param,
+                      "code": code}}
+    return json_response(body, status=exc.status)
+
+
+def _simulated(status: int) -> HttpError:
+    """The error an `x-sim-status` asks for, worded as faults.error_response words it."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    return HttpError(status, f"simulated {status} {phrase}".rstrip())
 
 
 class BadRequest(Exception):
@@ -195,6 +270,48 @@ def bad_request_response(kind: str, exc: BadRequest) -> web.Response:
         text = f"Failed to deserialize the JSON body into the target type: {exc}"
         return web.Response(status=422, text=text)
     return error_response(kind, 422, f"Input validation error: {exc}", "validation")
+
+
+async def read_form(request: web.Request) -> list[FormField]:
+    """The body's form fields in order: multipart parts or urlencoded pairs; none otherwise.
+
+    Multipart parts are read into memory under the app's `client_max_size`, as
+    `request.post()` would cap them, but without its temporary files.
+    """
+    limit = request.client_max_size
+    if request.content_type == "application/x-www-form-urlencoded":
+        text = (await request.read()).decode("utf-8", "replace")
+        return [FormField(k, v) for k, v in urllib.parse.parse_qsl(text, keep_blank_values=True)]
+    if request.content_type != "multipart/form-data":
+        await request.read()  # e.g. a JSON body: no form fields, but drain it
+        return []
+    try:
+        return await _read_multipart(request, limit)
+    except (ValueError, KeyError, HttpProcessingError):
+        # Starlette's words for a body its multipart parser rejects.
+        raise HttpError(400, "There was an error parsing the body") from None
+
+
+async def _read_multipart(request: web.Request, limit: int) -> list[FormField]:
+    fields: list[FormField] = []
+    total = 0
+    reader = await request.multipart()
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader):
+            continue  # a nested multipart: no server we imitate reads those
+        chunks = []
+        while chunk := await part.read_chunk():
+            total += len(chunk)
+            if total > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=total)
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        ctype = part.headers.get(hdrs.CONTENT_TYPE)
+        value: str | bytes = data
+        if part.filename is None and (ctype is None or ctype.startswith("text/")):
+            value = data.decode(part.get_charset("utf-8"), "replace")
+        fields.append(FormField(part.name or "", value, part.filename, ctype))
+    return fields
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -246,6 +363,8 @@ class Exchange:
         self.created_cache_tokens = 0  # ... and written to it
         self.generations: list[Generation] = []
         self.holds_slot = False
+        self.fields: list[FormField] = []  # form routes: the parsed body
+        self.errors: ErrorStyle | None = None  # the route's own envelope, if not the kind's
 
     @property
     def natural_tokens(self) -> int:
@@ -329,18 +448,27 @@ class EventWriter:
 Handler = Callable[[Exchange], Awaitable[web.StreamResponse]]
 
 
-def inference(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """Wrap an inference handler with recording, faults, error rendering and accounting."""
+def inference(
+    handler: Handler, *, form: bool = False, errors: ErrorStyle | None = None
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Wrap an inference handler with recording, faults, error rendering and accounting.
+
+    `form`: parse the body as a form into `Exchange.fields` (recorded as a summary);
+    `errors`: render this route's errors (faults included) in its own envelope.
+    """
 
     async def route(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         ex = Exchange(request, state)
+        ex.errors = errors
+        if form:
+            ex.record.form = {}  # a form route never shows raw bytes, even before parsing
         state.records.append(ex.record)
         state.in_flight += 1
         state.total += 1
         state.requests += 1
         try:
-            return await _run(ex, handler)
+            return await _run(ex, handler, form)
         except asyncio.CancelledError:
             ex.outcome = "cancelled"
             raise
@@ -350,24 +478,40 @@ def inference(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamR
     return route
 
 
-async def _run(ex: Exchange, handler: Handler) -> web.StreamResponse:
+async def _run(ex: Exchange, handler: Handler, form: bool) -> web.StreamResponse:
     kind = ex.state.kind
     try:
-        ex.record.body = await ex.request.read()
+        if form:
+            ex.fields = await read_form(ex.request)
+            ex.record.form = form_summary(ex.fields)
+        else:
+            ex.record.body = await ex.request.read()
         if ex.state.dead:
             ex.state.close_soon(0)  # vLLM's error handler shuts its server down
             raise HttpError(500, ENGINE_DEAD, ENGINE_DEAD_TYPE)
         ex.faults = Faults.of(ex.request)
-        response = await before_response(ex.request, ex.faults, kind) or await handler(ex)
+        forced = await before_response(ex.request, ex.faults, kind)
+        if forced is not None and ex.errors is not None:
+            styled = ex.errors(_simulated(forced.status))  # x-sim-status, this route's way
+            if (retry := forced.headers.get(hdrs.RETRY_AFTER)) is not None:
+                styled.headers[hdrs.RETRY_AFTER] = retry
+            forced = styled
+        response = forced or await handler(ex)
         if not response.prepared and ex.faults.hang_after == 0:
             await pause(ex.request, math.inf)
     except FaultHeaderError as exc:
         response = web.Response(status=400, text=str(exc))
     except BadRequest as exc:
-        response = bad_request_response(kind, exc)
+        if ex.errors is None:
+            response = bad_request_response(kind, exc)
+        else:
+            response = ex.errors(HttpError(400, exc.message, param=exc.param))
     except HttpError as exc:
         ex.error_type = exc.error_type
-        response = error_response(kind, exc.status, exc.message, exc.error_type, exc.param)
+        if ex.errors is None:
+            response = error_response(kind, exc.status, exc.message, exc.error_type, exc.param)
+        else:
+            response = ex.errors(exc)
     except StreamEnded as end:
         ex.outcome = end.outcome
         return ex.stream or web.Response()
@@ -436,6 +580,23 @@ async def _health(request: web.Request) -> web.Response:
         return web.Response(status=400, text=str(exc))
     request.app[STATE].healthy = bool(body.get("healthy", True))
     return web.Response(status=204)
+
+
+async def health_status(request: web.Request) -> web.Response:
+    """Media servers' /health: 200 `{"status":"ok"}` (whisper.cpp's body; a status-only probe
+    of vLLM or a FastAPI facade is as happy), 503 while unhealthy (`/_sim/health`)."""
+    if request.app[STATE].healthy:
+        return json_response({"status": "ok"})
+    return json_response({"status": "loading model"}, status=503)
+
+
+async def openai_models(request: web.Request) -> web.Response:
+    """OpenAI's `GET /v1/models` list, for the facades that serve one."""
+    created = int(time.time())
+    models = request.app[STATE].config.models
+    return json_response({"object": "list", "data": [
+        {"id": model, "object": "model", "created": created, "owned_by": "system"}
+        for model in models]})
 
 
 def add_sim_routes(app: web.Application) -> None:

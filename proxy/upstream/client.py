@@ -93,7 +93,7 @@ class Upstreams:
     async def call(
         self,
         pool: Pool,
-        path: str,
+        path: str | Callable[[Backend], str],
         body_for: Callable[[Backend], bytes],
         headers: Mapping[str, str],
         client_headers: Mapping[str, str],
@@ -103,14 +103,16 @@ class Upstreams:
         retried once on another backend when the failure is retryable.
 
         A failure is retryable only while the client has had no byte: an error status, or one
-        that `use` raises as retryable (a stream that failed before its first event).
+        that `use` raises as retryable (a stream that failed before its first event). `path` may
+        depend on the backend (ASR servers of two wires in one pool).
         """
         backend = pool.pick()
         retried = False
         while True:
             sent = {**headers, **backend.forward.select(client_headers), **backend.auth}
             try:
-                async with self.exchange(backend, path, body_for(backend), sent) as response:
+                where = path if isinstance(path, str) else path(backend)
+                async with self.exchange(backend, where, body_for(backend), sent) as response:
                     return await use(backend, response)
             except UpstreamFailure as failure:
                 if retried or not failure.retryable or self._aborting:  # not while draining
@@ -192,6 +194,30 @@ class Upstreams:
                 response.release()
         finally:
             backend.outstanding -= 1
+
+
+async def read_answer(upstream: aiohttp.ClientResponse, cap: int) -> bytes:
+    """A whole (non-streamed) answer, at most `cap` bytes; failures mapped: a timeout is 504, a
+    broken-off body may be retried on another backend (nothing reached the client), an answer
+    over the cap is unusable."""
+    if upstream.content_length is not None and upstream.content_length > cap:
+        raise GatewayError(ErrorKind.UPSTREAM_ERROR, "the model server's answer is too large")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        while chunk := await upstream.content.readany():
+            size += len(chunk)
+            if size > cap:
+                raise GatewayError(ErrorKind.UPSTREAM_ERROR,
+                                   "the model server's answer is too large")
+            parts.append(chunk)
+    except (aiohttp.ServerTimeoutError, TimeoutError):
+        raise GatewayError(ErrorKind.UPSTREAM_TIMEOUT, "the model server did not finish in time")\
+            from None
+    except aiohttp.ClientError:
+        raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR, "the model server broke off its answer",
+                              retryable=True) from None
+    return b"".join(parts)
 
 
 def _failed(backend: Backend) -> None:

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from yarl import URL
 
-from proxy.config import CHAT_KINDS, BackendSpec, HealthSection
+from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
+from proxy.policy.tiers import FAMILY_NAMES
 from proxy.runtime.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 
@@ -169,29 +170,55 @@ class Pool:
 
 
 class Router:
-    """Model name -> pool, per task family, built once from backends.toml."""
+    """(task family, model name) -> pool, built once from backends.toml; image and video
+    backends are also found by their provider (the `<provider>` of their routes)."""
 
     def __init__(self, specs: Iterable[BackendSpec], health: HealthSection | None = None) -> None:
         self.backends = tuple(Backend(spec, health) for spec in specs)
-        by_model: dict[str, list[Backend]] = {}
+        grouped: dict[tuple[str, str], list[Backend]] = {}
+        self._providers: dict[tuple[str, str], list[Backend]] = {}
         for backend in self.backends:
-            if backend.spec.kind in CHAT_KINDS:
-                for model in backend.spec.models:
-                    by_model.setdefault(model, []).append(backend)
-        self._chat = {model: Pool(model, group) for model, group in by_model.items()}
+            family = FAMILY_OF_KIND[backend.spec.kind]
+            for model in backend.spec.models:
+                grouped.setdefault((family, model), []).append(backend)
+            if family in ("image", "video"):
+                provider = backend.spec.provider or backend.name
+                self._providers.setdefault((family, provider), []).append(backend)
+        self._pools = {key: Pool(key[1], group) for key, group in grouped.items()}
         for backend in self.backends:  # the ejection cap is counted per pool
-            backend.peers = tuple(pool.backends for pool in self._chat.values()
+            backend.peers = tuple(pool.backends for pool in self._pools.values()
                                   if backend in pool.backends)
-        self._all_models = frozenset(m for b in self.backends for m in b.spec.models)
+        self._families = {model: family for family, model in self._pools}
 
     def chat_pool(self, model: str) -> Pool:
-        pool = self._chat.get(model)
+        return self.pool("chat", model)
+
+    def pool(self, family: str, model: str) -> Pool:
+        """404 for a model no backend serves, or serves for another task family."""
+        pool = self._pools.get((family, model))
         if pool is not None:
             return pool
-        if model in self._all_models:
-            raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} is not a chat model")
+        if model in self._families:
+            raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} is not a "
+                               f"{FAMILY_NAMES[family]} model")
         raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} does not exist")
+
+    def provider_pool(self, family: str, provider: str, model: str | None) -> Pool:
+        """The pool of `provider`'s backends serving `model` (default: its first model)."""
+        backends = self._providers.get((family, provider))
+        if backends is None:
+            raise GatewayError(ErrorKind.NOT_FOUND, f"no {FAMILY_NAMES[family]} provider "
+                               f"named {provider!r}")
+        model = model if model is not None else backends[0].spec.models[0]
+        serving = [b for b in backends if model in b.spec.models]
+        if not serving:
+            raise GatewayError(ErrorKind.NOT_FOUND,
+                               f"provider {provider!r} does not serve model {model!r}")
+        return Pool(model, serving)
+
+    def providers(self, family: str) -> list[str]:
+        return sorted(p for f, p in self._providers if f == family)
 
     @property
     def chat_models(self) -> list[str]:
-        return sorted(self._chat)
+        return sorted(model for family, model in self._pools if family == "chat")

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proxy.media.wav import wav_bytes
 from tests.conftest import GENEROUS_TIERS, MODEL, free_port, write_config
 from tests.runtime.test_serve_cli import wait_until_ready
 
@@ -41,31 +42,57 @@ class Stack:
         return done.stdout
 
 
+# Every family's simulator: kind, backends.toml extras, model.
+FAMILIES = (("tts", {}, "acme/csm-1b"), ("whisper", {}, "acme/large-v3"),
+            ("image", {"provider": "acme"}, "acme/image-gen"),
+            ("video", {"provider": "acme"}, "acme/video-gen"))
+AUDIO_HOST = "127.0.0.2"  # serves a WAV for audio_url and custom_voice.url
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    sim_port, gw_port = free_port(), free_port()
+    sim_port, gw_port, audio_port = free_port(), free_port(), free_port()
+    ports = [free_port() for _ in FAMILIES]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
            "GATEWAY_ADMIN_TOKEN": secrets.token_urlsafe(24)}
     env.pop("GATEWAY_REDIS_URL", None)
+    media = [{"name": f"{kind}-a", "kind": kind, "url": f"http://127.0.0.1:{port}",
+              "models": [model], **extra}
+             for (kind, extra, model), port in zip(FAMILIES, ports, strict=True)]
     folder = write_config(
         tmp_path / "config",
         [{"name": "chat-a", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}",
-          "models": [MODEL]}],
+          "models": [MODEL]}, *media],
         gateway={"port": gw_port, "data_dir": str(tmp_path / "data"), "workers": 1},
-        policies={"tiers.toml": GENEROUS_TIERS})  # rate limits must not answer for the schema
+        policies={"tiers.toml": GENEROUS_TIERS,  # rate limits must not answer for the schema
+                  "requests.toml": f'[fetch]\nallow_networks = ["{AUDIO_HOST}/32"]\n'
+                                   f"ports = [{audio_port}]\n"})
+    files = tmp_path / "audio"
+    files.mkdir()
+    (files / "hello.wav").write_bytes(wav_bytes(b"\x00\x01" * 24000, 24000))
+    env["ST_AUDIO_URL"] = f"http://{AUDIO_HOST}:{audio_port}/hello.wav"
     # A context that holds every cap the schema allows: a cap beyond a model's context is the
     # gateway's 422 (documented), which no schema can state.
-    sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
-                            str(sim_port), "--model", MODEL, "--max-model-len", "128000"],
-                           env=env)
+    procs = [subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
+                               str(sim_port), "--model", MODEL, "--max-model-len", "128000"],
+                              env=env)]
+    procs += [subprocess.Popen([sys.executable, "-m", "proxy", "simulate", kind, "--port",
+                                str(port), "--model", model], env=env)
+              for (kind, _, model), port in zip(FAMILIES, ports, strict=True)]
+    procs.append(subprocess.Popen([sys.executable, "-m", "http.server", "--bind", AUDIO_HOST,
+                                   "--directory", str(files), str(audio_port)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     gateway = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config", str(folder)],
                                env=env)
+    procs.append(gateway)
     try:
-        wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
+        for port, proc in zip([sim_port, *ports], procs, strict=False):
+            wait_until_ready(f"http://127.0.0.1:{port}/health", proc)
+        wait_until_ready(f"http://{AUDIO_HOST}:{audio_port}/hello.wav", procs[-2])
         wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway)
         yield Stack(f"http://127.0.0.1:{gw_port}", folder, env)
     finally:
-        for proc in (gateway, sim):
+        for proc in reversed(procs):
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(15)

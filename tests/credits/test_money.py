@@ -329,7 +329,8 @@ async def test_a_failed_settlement_is_retried_until_redis_answers(
         await ledger.credit("acme", 1000, {})
         hold = await ledger.hold("acme", 100, ttl_s=60)
         settler = Settler(redis, [ledger.settle_script])
-        keys, args = settle_call("acme", hold, 40, 100, "completed", MODEL, 1, 2, {}, 100, 0)
+        keys, args = settle_call("acme", hold, 40, 100, "completed", MODEL,
+                                 {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0)
         await admin.execute_command("CLIENT", "PAUSE", "400")  # Redis stops answering a while
         settler.settle(ledger.settle_script, keys, args)
         await settler.flush()  # times out, backs off, retries until it lands
@@ -366,7 +367,8 @@ async def test_holds_are_soft_state_and_charges_survive_a_crash(tmp_path: Any) -
         assert await ledger.reconcile(["acme"]) == []
         # The running request finishes: its hold is gone, so it is charged from what is
         # available, never more than it held; a retry of that settlement charges nothing.
-        keys, args = settle_call("acme", running, 120, 300, "completed", MODEL, 1, 2, {}, 100, 0)
+        keys, args = settle_call("acme", running, 120, 300, "completed", MODEL,
+                                 {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0)
         assert await ledger.settle_script(keys=keys, args=args) == 120
         assert await ledger.settle_script(keys=keys, args=args) == -1
         [entry] = [e for e in await ledger.all_entries("acme") if e.get("hold") == running]

@@ -4,6 +4,12 @@
 replicas in parallel (one core each), and stops them by process group when the session ends.
 Any failure on the way FAILS every test of the tier with the reason: never a silent skip.
 `replicas` is what a test asks for: the same replicas, restarted first if a test killed one.
+
+`whisper` is one real vLLM Whisper replica (serve-whisper.sh: its own venv and tiny model, built
+the same way), started when the first test asks for it, alone (the ASR modules sort before the
+chat ones, so the chat replicas are not up yet) and on every core. It stops at the session's end,
+or as soon as no later test of the run asks for it, so the chat replicas never share the two
+cores (or the RAM: ~4 GB) with it; a later test would start it again.
 """
 
 from __future__ import annotations
@@ -14,7 +20,16 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import free_port
-from tests.real_engine.engines import MAX_MODEL_LEN, SERVED, Engines, EngineSetupError, Replica
+from tests.real_engine.engines import (
+    MAX_MODEL_LEN,
+    SERVED,
+    WHISPER_ARGS,
+    WHISPER_SCRIPT,
+    WHISPER_SERVED,
+    Engines,
+    EngineSetupError,
+    Replica,
+)
 
 _TIMES: list[str] = []  # for the terminal summary: what the tier's setup cost this run
 
@@ -49,10 +64,61 @@ def replicas(engines: Engines) -> Engines:
     return engines
 
 
+@pytest.fixture(scope="session")
+def whisper_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    logs = tmp_path_factory.mktemp("real-whisper")
+    cores = os.cpu_count() or 1
+    replica = Replica("whisper-0", free_port(), f"0-{cores - 1}", logs / "whisper-0.log",
+                      script=WHISPER_SCRIPT, args=WHISPER_ARGS)
+    fleet = Engines([replica], logs / "prepare.log", script=WHISPER_SCRIPT)
+    try:
+        fleet.start()
+    except EngineSetupError as exc:
+        pytest.fail(f"the real-engine tier cannot run its Whisper replica: {exc}",
+                    pytrace=False)
+    _TIMES.append(f"whisper: install/build check {fleet.prepare_s:.1f} s, ready in "
+                  f"{replica.started_s:.1f} s")
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture
+def whisper(whisper_engine: Engines, request: pytest.FixtureRequest) -> Iterator[Replica]:
+    """The Whisper replica, up (started again if it was stopped early, or died)."""
+    fleet = whisper_engine
+    restarting = not fleet[0].running
+    try:
+        fleet.ensure_up()
+    except EngineSetupError as exc:
+        pytest.fail(f"the real-engine tier cannot run its Whisper replica: {exc}",
+                    pytrace=False)
+    if restarting and fleet[0].starts > 1:
+        _TIMES.append(f"whisper: restarted in {fleet[0].started_s:.1f} s")
+    yield fleet[0]
+    if not _asked_later(request, "whisper"):
+        fleet.stop()  # nothing later needs it: free its cores and RAM for the chat replicas
+
+
+def _asked_later(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test after this one in the run's order uses `fixture`."""
+    items = request.session.items
+    try:
+        later = items[items.index(request.node) + 1:]
+    except ValueError:
+        return True
+    return any(fixture in getattr(item, "fixturenames", ()) for item in later)
+
+
 def backend(replica: Replica, **extra: object) -> dict[str, object]:
     """backends.toml's entry for a replica (as an operator writes it for a real vLLM)."""
     return {"name": replica.name, "kind": "vllm", "url": replica.url, "models": [SERVED],
             **extra}
+
+
+def whisper_backend(replica: Replica, **extra: object) -> dict[str, object]:
+    """backends.toml's entry for the Whisper replica (vLLM speaks the OpenAI audio wire)."""
+    return {"name": replica.name, "kind": "whisper", "api": "openai", "url": replica.url,
+            "models": [WHISPER_SERVED], **extra}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

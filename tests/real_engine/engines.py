@@ -7,6 +7,8 @@ same scripts serve the README's "Try it on a real engine" (scripts/real-engine/)
 Each replica is `serve-tiny.sh` exec'ing `vllm serve` in a new session, so its API server,
 EngineCore and worker share one process group and are stopped together (SIGTERM, grace,
 SIGKILL). A setup that fails raises `EngineSetupError` with the reason and the log's tail.
+The Whisper replica is the same, run by `serve-whisper.sh` (a second venv with vLLM's audio
+extras, and a tiny random Whisper).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ REPLICA_ARGS = ("--max-num-seqs", "4", "--max-num-queued-reqs", "8",
 PREPARE_TIMEOUT_S = 20 * 60  # a first install is ~2 min; a slow mirror gets room
 START_TIMEOUT_S = 300  # ~30 s each, two at once on two cores; more while the box is busy
 STOP_GRACE_S = 15
+CHAT_SCRIPT = "serve-tiny.sh"
+# The Whisper replica: vLLM's own max_model_len (448) and limits (25 MB, 600 s of audio).
+WHISPER_SCRIPT = "serve-whisper.sh"
+WHISPER_SERVED = "acme/whisper-tiny"
+WHISPER_ARGS = ("--max-num-seqs", "4")
 
 
 class EngineSetupError(Exception):
@@ -49,13 +56,13 @@ def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def prepare(log: Path) -> float:
+def prepare(log: Path, script: str = CHAT_SCRIPT) -> float:
     """Install vLLM and build the model unless cached; returns the seconds it took."""
     started = time.monotonic()
     env = {**os.environ, "REAL_ENGINES_DIR": str(CACHE)}
     with log.open("ab") as out:
         try:
-            done = subprocess.run(["bash", str(SCRIPTS / "serve-tiny.sh"), "--prepare"],
+            done = subprocess.run(["bash", str(SCRIPTS / script), "--prepare"],
                                   stdout=out, stderr=subprocess.STDOUT, env=env,
                                   timeout=PREPARE_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
@@ -83,8 +90,10 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 class Replica:
     name: str
     port: int
-    core: int
+    core: int | str  # VLLM_CPU_OMP_THREADS_BIND: a core, or a list ("0-1") the server keeps to
     log: Path
+    script: str = CHAT_SCRIPT
+    args: tuple[str, ...] = REPLICA_ARGS
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # how long the last start took to /health 200
     starts: int = 0
@@ -101,7 +110,7 @@ class Replica:
         # beside its worker, and would take the other core from the other replica and the tests.
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                ["bash", str(SCRIPTS / "serve-tiny.sh"), str(self.port), *REPLICA_ARGS],
+                ["bash", str(SCRIPTS / self.script), str(self.port), *self.args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._t0 = time.monotonic()
         self.starts += 1
@@ -156,16 +165,17 @@ def _signal_group(group: int, sig: signal.Signals) -> None:
 class Engines:
     """The tier's replicas: started together, each on its own core, restarted when dead."""
 
-    def __init__(self, replicas: list[Replica], log: Path) -> None:
+    def __init__(self, replicas: list[Replica], log: Path, script: str = CHAT_SCRIPT) -> None:
         self.replicas = replicas
         self.log = log
+        self.script = script  # whose --prepare installs and builds what they need
         self.prepare_s = 0.0
 
     def __getitem__(self, index: int) -> Replica:
         return self.replicas[index]
 
     def start(self) -> None:
-        self.prepare_s = prepare(self.log)
+        self.prepare_s = prepare(self.log, self.script)
         self.ensure_up()
 
     def ensure_up(self) -> None:

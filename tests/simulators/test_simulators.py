@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
-from proxy.simulators import KINDS, SimConfig, build_app, cli
+from proxy.simulators import CHAT_KINDS, SimConfig, build_app, cli
 from proxy.simulators.textgen import (
     EOS,
     LENGTH,
@@ -195,7 +195,7 @@ def test_generate_tool_call_and_reasoning() -> None:
 # ---------------------------------------------------------------- chat, both dialects
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_chat_non_stream_shape_and_usage(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     resp = await chat(client, {"model": MODEL})
@@ -266,7 +266,7 @@ async def test_vllm_chat_stream_framing(make_client: MakeClient) -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_stream_matches_non_stream_and_usage_chunk(
     make_client: MakeClient, kind: str
 ) -> None:
@@ -285,7 +285,7 @@ async def test_stream_matches_non_stream_and_usage_chunk(
     assert all(e["choices"] for e in without) and content_of(without) == content_of(events)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_seed_determinism(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
 
@@ -317,7 +317,7 @@ async def test_stop_sequences(make_client: MakeClient, kind: str, finish: str) -
     ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_max_completion_tokens_and_x_sim_tokens(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind, default_completion_tokens=6)
     body = await (await chat(client, {"max_completion_tokens": 4})).json()
@@ -329,7 +329,7 @@ async def test_max_completion_tokens_and_x_sim_tokens(make_client: MakeClient, k
     assert count_tokens(body["choices"][0]["message"]["content"]) == 2
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_n_choices(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     body = await (await chat(client, {"n": 2, "max_tokens": 5, "seed": 1})).json()
@@ -405,7 +405,7 @@ async def test_vllm_reasoning(make_client: MakeClient) -> None:
     assert (await (await chat(tgi, kwargs)).json())["usage"]["completion_tokens"] == 16
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_logprobs(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     body = await (await chat(client, {"logprobs": True, "top_logprobs": 2, "max_tokens": 3})).json()
@@ -521,7 +521,7 @@ ODD_GENERATE_BODIES: list[object] = [
 ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_odd_input_never_gives_a_server_error(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     for body in ODD_CHAT_BODIES:
@@ -543,7 +543,7 @@ async def test_odd_input_never_gives_a_server_error(make_client: MakeClient, kin
 # ---------------------------------------------------------------- faults
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_fault_status_and_retry_after(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     resp = await chat(client, {}, {"x-sim-status": "503", "x-sim-retry-after": "7"})
@@ -573,7 +573,7 @@ async def test_fault_delay_and_gzip(make_client: MakeClient) -> None:
     assert orjson.loads(gzip.decompress(raw))["usage"]["completion_tokens"] == 16
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_fault_refuse(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     with pytest.raises(aiohttp.ClientConnectionError):
@@ -582,7 +582,7 @@ async def test_fault_refuse(make_client: MakeClient, kind: str) -> None:
     assert records[-1]["outcome"] == "cut"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_fault_cut_after(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     resp = await chat(client, {"stream": True}, {"x-sim-cut-after": "3"})
@@ -594,7 +594,7 @@ async def test_fault_cut_after(make_client: MakeClient, kind: str) -> None:
     assert b"[DONE]" not in received
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_fault_hang_after(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind)
     resp = await chat(client, {"stream": True}, {"x-sim-hang-after": "2"})
@@ -642,7 +642,7 @@ async def wait_for_stats(client: Any, **expected: int) -> Json:
     raise AssertionError(f"stats never reached {expected}: {stats}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAT_KINDS)
 async def test_client_disconnect_is_cancelled(make_client: MakeClient, kind: str) -> None:
     client = await make_client(kind, tokens_per_s=20)
     resp = await chat(client, {"stream": True})
@@ -915,4 +915,4 @@ def test_cli_arguments() -> None:
     )
     defaults = cli.config_from(parser.parse_args(["tgi"]))
     assert defaults == SimConfig(models=("acme/small-chat",))
-    assert cli.DEFAULT_PORTS == {"tgi": 3000, "vllm": 8000}
+    assert (cli.DEFAULT_PORTS["tgi"], cli.DEFAULT_PORTS["vllm"]) == (3000, 8000)

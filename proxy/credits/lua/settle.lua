@@ -9,8 +9,9 @@
 -- it held (`recovered` in the journal).
 --
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset
--- ARGV: hold id ('' for none), cost, amount held, status, model, prompt tokens,
---       completion tokens, details (JSON), journal entries kept, journal ttl s (0: none)
+-- ARGV: hold id ('' for none), cost, amount held, status, model, details (JSON), journal
+--       entries kept, journal ttl s (0: none), then pairs of (usage unit, count) that the
+--       running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...)
 -- Returns the charge, or -1 when there was nothing to do (the hold had already ended).
 local now = redis.call('TIME')
 local cost = tonumber(ARGV[2])
@@ -43,14 +44,14 @@ if ARGV[1] ~= '' then
   redis.call('ZADD', KEYS[6], tonumber(now[1]), ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', tonumber(now[1]) - 120)
 end
-local keep = tonumber(ARGV[9])
+local keep = tonumber(ARGV[7])
 if ARGV[1] == '' then
   -- No money moved: an approximately trimmed stream is exact enough.
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', keep, '*', 'type', 'usage', 'cost', 0,
-             'status', ARGV[4], 'details', ARGV[8])
+             'status', ARGV[4], 'details', ARGV[6])
 else
   redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', ARGV[1], 'held', held,
-             'cost', charge, 'status', ARGV[4], 'recovered', recovered, 'details', ARGV[8])
+             'cost', charge, 'status', ARGV[4], 'recovered', recovered, 'details', ARGV[6])
   -- Money entries beyond the retention move into the balance's checkpoint first, so the
   -- journal plus the checkpoint still add up to the balance (see Ledger.reconcile).
   if redis.call('XLEN', KEYS[4]) > keep + 100 then
@@ -75,11 +76,12 @@ else
   if ARGV[5] ~= '' then scopes[3] = 'm|' .. ARGV[5] .. '|' end
   for _, scope in ipairs(scopes) do
     redis.call('HINCRBY', KEYS[5], scope .. 'requests', 1)
-    redis.call('HINCRBY', KEYS[5], scope .. 'prompt_tokens', tonumber(ARGV[6]))
-    redis.call('HINCRBY', KEYS[5], scope .. 'completion_tokens', tonumber(ARGV[7]))
+    for i = 9, #ARGV - 1, 2 do
+      redis.call('HINCRBY', KEYS[5], scope .. ARGV[i], tonumber(ARGV[i + 1]))
+    end
     redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge)
   end
 end
-local ttl = tonumber(ARGV[10])
+local ttl = tonumber(ARGV[8])
 if ttl > 0 then redis.call('EXPIRE', KEYS[4], ttl) end
 return charge

@@ -1,0 +1,322 @@
+"""Each task family's part of the request path (proxy.pipeline.task runs the rest).
+
+A family reads its request (`parse`: 422), names its pool (`pool`: 404), states the worst case
+its hold covers (`Job.worst`), and, once admitted, runs it (`run`): fetch what the client named,
+call the upstream, check or convert the answer, send it, and record what was used in `Outcome`
+terms and units for the settlement.
+
+    tts    preset or random voice (or a fetched sample) -> /v1/audio/speech -> WAV checked and
+           converted to 16-bit PCM mono 24 kHz -> charged per character
+    asr    audio_url fetched under the SSRF rules, its format and length read from its content
+           -> multipart to /v1/audio/transcriptions (or whisper.cpp's /inference) -> normalised
+           answer -> charged per second of the decoded audio
+    image  body passed through to /v1/images/generations -> charged per image delivered
+    video  body passed through to /v1/videos/generations -> charged per second of video decoded
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy import ids
+from proxy.appkeys import FETCHER, LIVE, REQUEST_ID, RESPONSE_HEADERS, UPSTREAMS
+from proxy.config import Policies
+from proxy.credits.pricing import Units
+from proxy.errors import ErrorKind, GatewayError, validation_failed
+from proxy.families import asr, generation, tts
+from proxy.media.audio import NotAudio, probe
+from proxy.media.wav import SPEECH_RATE, BadAudio, to_speech_wav, wav_bytes
+from proxy.outcome import Outcome
+from proxy.upstream.client import read_answer
+from proxy.upstream.fetch import PUBLIC_MESSAGE, FetchRefused
+from proxy.upstream.pool import Backend, Pool, Router
+from proxy.validate import RequestInvalid
+
+ANSWER_MAX_BYTES = 16 * 1024 * 1024  # a transcription or an image list as JSON
+SPEECH_HEADER = 44  # the canonical WAV header to_speech_wav writes
+_WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
+
+
+@dataclass(slots=True)
+class Job:
+    """A parsed request of one family: what admission and routing need."""
+
+    request: Any  # the family's parsed request (TtsRequest, AsrRequest, or the passed body)
+    model: str | None
+    mode: str
+    async_: bool
+    worst: Units  # what the hold covers
+
+
+@dataclass(slots=True)
+class TaskResult:
+    status: Outcome = Outcome.FAILED
+    used: Units = field(default_factory=Units)
+
+
+class Family(abc.ABC):
+    """One task family's steps on the request path (proxy.pipeline.task calls them in order)."""
+
+    name: str  # as tiers.toml `families` names it
+
+    @abc.abstractmethod
+    def max_body_bytes(self, policies: Policies) -> int: ...
+
+    @abc.abstractmethod
+    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+        """The request as the family reads it; 422 (GatewayError) when it is not one."""
+
+    @abc.abstractmethod
+    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+        """The backends that serve it; 404 for a model (or provider) no backend serves."""
+
+    @abc.abstractmethod
+    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
+                  ) -> web.StreamResponse:
+        """Admitted: do it and send the answer, recording what was used in `result`."""
+
+
+def _parsed(parse: Any, *args: Any) -> Any:
+    try:
+        return parse(*args)
+    except RequestInvalid as exc:
+        raise validation_failed(exc.detail) from None
+
+
+def _reply_headers(request: web.Request, mode: str = "direct") -> dict[str, str]:
+    """Sent with the answer (which goes out before the middleware sees it)."""
+    return {**request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request[REQUEST_ID],
+            "X-Task-Id": ids.task_id(mode)}
+
+
+async def _send(request: web.Request, result: TaskResult, body: bytes, content_type: str,
+                headers: dict[str, str], used: Units) -> web.Response:
+    """Send a whole answer; it is charged once it is out (or the client left while it went)."""
+    response = web.Response(body=body, headers={**headers, "Content-Type": content_type})
+    result.status, result.used = Outcome.CLIENT_GONE, used
+    await response.prepare(request)
+    await response.write_eof()
+    result.status = Outcome.COMPLETED
+    return response
+
+
+async def _fetch_audio(request: web.Request, url: str, loc: tuple[str, ...]) -> bytes:
+    """Audio a client named by URL: one answer for every way it can fail (reliability F6)."""
+    fetcher = request.app[FETCHER]
+    fetcher.follow(request.app[LIVE].current.policies.requests.fetch)
+    try:
+        fetched = await fetcher.fetch(url)
+    except FetchRefused:
+        raise _unfetchable(loc) from None
+    return fetched.data
+
+
+def _unfetchable(loc: tuple[str, ...]) -> GatewayError:
+    return validation_failed([{"loc": ["body", *loc], "type": "url_unusable",
+                               "msg": f"{PUBLIC_MESSAGE} (it must be a public http(s) URL of a "
+                                      "WAV, MP3, M4A, WEBM, FLAC or OGG file)"}])
+
+
+class SpeechSynthesis(Family):
+    name = "tts"
+
+    def max_body_bytes(self, policies: Policies) -> int:
+        return policies.requests.tts.max_body_bytes
+
+    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+        req: tts.TtsRequest = _parsed(tts.parse_tts, body, policies.requests.tts.max_characters)
+        return Job(req, req.model, req.mode or "auto", bool(req.async_),
+                   Units(characters=len(req.text)))
+
+    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+        return router.pool("tts", job.model or policies.requests.tts.default_model)
+
+    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
+                  ) -> web.StreamResponse:
+        req: tts.TtsRequest = job.request
+        app = request.app
+        sample = None
+        if req.custom_voice is not None:
+            sample = await _fetch_audio(request, req.custom_voice.url, ("custom_voice", "url"))
+            try:
+                probe(sample)
+            except NotAudio:
+                raise _unfetchable(("custom_voice", "url")) from None
+        preset = tts.pick_voice(req)
+        headers = {"Content-Type": "application/json", "Accept": "audio/wav",
+                   "X-Request-Id": request[REQUEST_ID]}
+        reply = {**_reply_headers(request), "X-Voice": "custom" if sample else preset}
+        cap = app[LIVE].current.policies.requests.tts.max_audio_bytes
+        limit = min(b.spec.max_input_chars for b in pool.backends)
+
+        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> bytes:
+            return speech_wav(await read_answer(upstream, cap), upstream.headers)
+
+        pieces = []
+        for text in tts.split_text(req.text, limit):  # one piece, unless the server's limit
+            def body_for(backend: Backend, text: str = text) -> bytes:
+                voice = tts.server_voice(preset, backend.spec.voices)
+                return orjson.dumps(tts.speech_body(req, text, pool.model, voice, sample))
+
+            pieces.append(await app[UPSTREAMS].call(pool, tts.SPEECH_PATH, body_for, headers,
+                                                    request.headers, use))
+        audio = pieces[0] if len(pieces) == 1 else join_speech(pieces)
+        return await _send(request, result, audio, "audio/wav", reply,
+                           Units(characters=len(req.text)))
+
+
+def join_speech(wavs: list[bytes]) -> bytes:
+    """Speech WAVs (canonical headers, same format) as one."""
+    return wav_bytes(b"".join(w[SPEECH_HEADER:] for w in wavs), SPEECH_RATE)
+
+
+def speech_wav(raw: bytes, headers: Any) -> bytes:
+    """A TTS server's answer as the spec's WAV (16-bit PCM, mono, 24 kHz); 502 if not audio."""
+    media, _, params = headers.get("Content-Type", "").partition(";")
+    media = media.strip().lower()
+    try:
+        if media in ("audio/pcm", "audio/l16"):
+            rate = 24000
+            for param in params.split(";"):
+                key, _, value = param.strip().partition("=")
+                if key.lower() == "rate" and value.isdigit():
+                    rate = int(value)
+            return to_speech_wav(raw, source="pcm", pcm_rate=rate)
+        if media in _WAV_TYPES or raw[:4] == b"RIFF":
+            return to_speech_wav(raw, source="wav")
+    except BadAudio:
+        pass
+    raise GatewayError(ErrorKind.UPSTREAM_ERROR, "the speech server sent unusable audio")
+
+
+class SpeechRecognition(Family):
+    name = "asr"
+
+    def max_body_bytes(self, policies: Policies) -> int:
+        return policies.requests.asr.max_body_bytes
+
+    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+        req: asr.AsrRequest = _parsed(asr.parse_asr, body)
+        max_s = policies.requests.asr.max_audio_s
+        return Job(req, req.model, req.mode or "auto", bool(req.async_),
+                   Units(audio_ms=max_s * 1000))
+
+    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+        return router.pool("asr", job.model or policies.requests.asr.default_model)
+
+    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
+                  ) -> web.StreamResponse:
+        req: asr.AsrRequest = job.request
+        app = request.app
+        audio = await _fetch_audio(request, req.audio_url, ("audio_url",))
+        try:
+            info = probe(audio)
+        except NotAudio:
+            raise _unfetchable(("audio_url",)) from None
+        longest = job.worst.audio_ms / 1000
+        if info.duration_s is not None and info.duration_s > longest:
+            raise validation_failed([{"loc": ["body", "audio_url"], "type": "audio_too_long",
+                                      "msg": f"the audio is longer than {longest:g} s"}])
+        content_type, forms = _forms(req, pool, audio, info.format)
+        headers = {"Content-Type": content_type, "Accept": "application/json",
+                   "X-Request-Id": request[REQUEST_ID]}
+        reply = _reply_headers(request)
+
+        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> web.Response:
+            raw = await read_answer(upstream, ANSWER_MAX_BYTES)
+            try:
+                out, seconds = asr.answer(orjson.loads(raw), req, info.duration_s)
+            except (orjson.JSONDecodeError, asr.UnusableAnswer):
+                raise GatewayError(ErrorKind.UPSTREAM_ERROR,
+                                   "the speech recognition server sent an unusable answer"
+                                   ) from None
+            used = Units(audio_ms=min(math.ceil(seconds * 1000), job.worst.audio_ms))
+            return await _send(request, result, orjson.dumps(out), "application/json", reply,
+                               used)
+
+        return await app[UPSTREAMS].call(
+            pool, lambda b: asr.upstream_path(req, b.spec.api), lambda b: forms[b.spec.api],
+            headers, request.headers, use)
+
+
+def _forms(req: asr.AsrRequest, pool: Pool, audio: bytes, audio_format: str
+           ) -> tuple[str, dict[str, bytes]]:
+    """One multipart body per wire the pool's servers speak, all under one boundary (the
+    Content-Type header is the same for every backend)."""
+    boundary = asr.new_boundary()
+    forms: dict[str, bytes] = {
+        api: asr.multipart(asr.form_fields(req, api, pool.model), audio, audio_format, boundary)
+        for api in {b.spec.api for b in pool.backends}}
+    return f"multipart/form-data; boundary={boundary}", forms
+
+
+class Generation(Family):
+    """Image (`name = "image"`) or video (`"video"`) generation by a named provider."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name = name
+        self.path = path
+
+    def max_body_bytes(self, policies: Policies) -> int:
+        return policies.requests.generation.max_body_bytes
+
+    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+        limits = policies.requests.generation
+        if self.name == "image":
+            image: generation.ImageRequest = _parsed(generation.parse_image, body,
+                                                     limits.max_images)
+            req: generation.ImageRequest | generation.VideoRequest = image
+            worst = Units(images=image.n or 1)
+        else:
+            video: generation.VideoRequest = _parsed(generation.parse_video, body,
+                                                     limits.max_video_s)
+            req = video
+            worst = Units(video_ms=generation.video_seconds_asked(video, limits.max_video_s)
+                          * 1000)
+        return Job(generation.forwarded(body), req.model, req.mode or "auto", bool(req.async_),
+                   worst)
+
+    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+        return router.provider_pool(self.name, request.match_info["provider"], job.model)
+
+    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
+                  ) -> web.StreamResponse:
+        app = request.app
+        body = orjson.dumps({**job.request, "model": pool.model})
+        headers = {"Content-Type": "application/json", "X-Request-Id": request[REQUEST_ID]}
+        reply = _reply_headers(request)
+        cap = app[LIVE].current.policies.requests.generation.max_media_bytes
+
+        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> web.Response:
+            raw = await read_answer(upstream, cap)
+            content_type = upstream.headers.get("Content-Type", "application/octet-stream")
+            media = content_type.partition(";")[0].strip().lower()
+            try:
+                answer = orjson.loads(raw) if media == "application/json" else None
+            except orjson.JSONDecodeError:
+                answer = None
+            if self.name == "image":
+                used = Units(images=generation.images_in(answer, media))
+            else:
+                ms = generation.video_ms_in(raw, answer, media)
+                used = Units(video_ms=job.worst.video_ms if ms is None else ms)
+            if not used.counts():
+                raise GatewayError(ErrorKind.UPSTREAM_ERROR,
+                                   f"the {self.name} provider sent an unusable answer")
+            return await _send(request, result, raw, content_type, reply, used)
+
+        return await app[UPSTREAMS].call(pool, self.path, lambda b: body, headers,
+                                         request.headers, use)
+
+
+TTS = SpeechSynthesis()
+ASR = SpeechRecognition()
+IMAGE = Generation("image", "/v1/images/generations")
+VIDEO = Generation("video", "/v1/videos/generations")

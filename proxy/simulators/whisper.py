@@ -1,0 +1,375 @@
+"""Whisper on one port, in both wire formats a gateway meets (protocols.md §6).
+
+- vLLM's OpenAI-style `POST /v1/audio/transcriptions` and `/v1/audio/translations`, matched to
+  a real vLLM 0.32 serving Whisper (real-engines/whisper-wire.md): `json` (and `text`, which
+  vLLM also answers as JSON) gives `{"text","usage":{"type":"duration","seconds":ceil}}`
+  (translations: no usage); `verbose_json` gives duration, ISO `language`, segments whose ids
+  restart in each 30 s window (`seek` = the window's start) and `"words": null` even when
+  `timestamp_granularities[]=word` is sent, as vLLM does; `--word-timestamps` adds OpenAI's
+  top-level `words` instead. `stream=true` sends vLLM's `transcription.chunk` events (one
+  finish chunk per 30 s window, optional usage). Errors are the captured ones, word for word.
+- whisper.cpp's `POST /inference` (v1.8/1.9): `{"text"}` with whisper.cpp's leading space,
+  `verbose_json` with a full language name and per-token words inside segments, text, srt and
+  vtt; errors are `{"error": ...}`, 400 (v1.9) or 200 with `--whisper-cpp-errors-200` (v1.8,
+  recorded in /_sim/requests as "completed", as HTTP sees them); a `temperature` that is not
+  a number is a bare 500 (std::stof throws); one request at a time (whisper.cpp's mutex).
+
+Hearing (`speech.hear`): a WAV is read sample by sample; audio the TTS simulator made carries
+a watermark and is transcribed back to exactly its text (translation too: it is English
+already). Other audio gets a pseudo-transcript (2.5 words/s) chosen by the bytes' hash. MP3,
+FLAC, M4A, OGG and WebM are measured from their container (vLLM decodes them all; whisper.cpp
+without --convert only WAV, MP3 and FLAC); a container that states no duration is taken to be
+128 kbps. `--ttft-ms` is the processing time. `GET /health` is 200 `{"status":"ok"}`.
+
+Differences kept on purpose: `prompt`, `seed` and the sampling fields do not change the text;
+vLLM's 30 s windows split at a quiet point near 30 s, ours exactly at 30 s; a stream's
+`completion_tokens` counts a token per word plus one end-of-text per window (vLLM's BPE
+pieces and timestamp tokens differ); `diarized_json` (which vLLM's Whisper cannot produce;
+not captured) is a 400. whisper.cpp given an unknown `language` answers `{"error": "unknown
+language 'xx'"}` (the words of its startup check; the request path is not documented).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import orjson
+from aiohttp import web
+
+from proxy.simulators import vllm
+from proxy.simulators.faults import pause
+from proxy.simulators.runtime import (
+    EventWriter,
+    Exchange,
+    FormField,
+    HttpError,
+    health_status,
+    inference,
+    json_response,
+)
+from proxy.simulators.speech import (
+    LANGUAGES,
+    MAX_CHUNK_S,
+    VLLM_LANGUAGES,
+    Heard,
+    Segment,
+    Undecodable,
+    avg_logprob,
+    compression_ratio,
+    hear,
+    pseudo_transcript,
+    segments,
+    usage_seconds,
+)
+
+MAX_MODEL_LEN = 448  # Whisper's max_target_positions, as vLLM lists it
+MAX_FILE_MB = 25  # VLLM_MAX_AUDIO_CLIP_FILESIZE_MB
+MAX_DURATION_S = 600  # VLLM_MAX_AUDIO_DECODE_DURATION_S
+MAX_UPLOAD = 64 * 1024 * 1024  # the app's body cap: above 25 MB, so vLLM's own 400 shows
+CORRUPTED = ("Invalid or corrupted audio data. Ensure the input is a valid audio or video file "
+             "(e.g. a complete WAV, MP3, or MP4).")
+FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+FORMS_ANSWERED = ("json", "text", "verbose_json")
+_FORM_BASE_ITEMS = 13  # vLLM's pydantic input dict has 13 entries besides the form's keys
+CPP_AUDIO = ("wav", "mp3", "flac")  # what whisper.cpp's miniaudio reads without --convert
+ONE_AT_A_TIME = web.AppKey("whisper_cpp_mutex", asyncio.Lock)
+
+
+class Form:
+    def __init__(self, fields: Sequence[FormField]) -> None:
+        self.fields = fields
+
+    def get(self, name: str) -> FormField | None:
+        return next((f for f in self.fields if f.name == name), None)
+
+    def text(self, name: str) -> str | None:
+        field = self.get(name)
+        if field is None:
+            return None
+        value = field.value
+        return value if isinstance(value, str) else value.decode("utf-8", "replace")
+
+    def texts(self, name: str) -> list[str]:
+        return [f.value if isinstance(f.value, str) else f.value.decode("utf-8", "replace")
+                for f in self.fields if f.name == name]
+
+
+def bad(message: str, param: str | None = None) -> HttpError:
+    return HttpError(400, message, "BadRequestError", param)
+
+
+def _literal(loc: str, value: str, options: Sequence[str]) -> dict[str, object]:
+    quoted = [f"'{o}'" for o in options]
+    expected = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
+    return {"type": "literal_error", "loc": loc, "msg": f"Input should be {expected}",
+            "input": value, "ctx": {"expected": expected}}
+
+
+def _parse(form: Form) -> tuple[str, float, tuple[bool, bool, bool]]:
+    """Pydantic's part of vLLM's validation: every problem in one 400, worded as pydantic."""
+    problems: list[dict[str, object]] = []
+    if form.get("file") is None:
+        items = len({f.name for f in form.fields}) + _FORM_BASE_ITEMS
+        problems.append({"type": "missing", "loc": "body.file", "msg": "Field required",
+                         "input": f"<dict of {items} items>"})
+    fmt = form.text("response_format") or "json"
+    if fmt not in (*FORMATS, "diarized_json"):
+        problems.append(_literal("body.response_format", fmt, FORMATS))
+        problems.append(_literal("body.response_format", fmt, ("diarized_json",)))
+    for i, value in enumerate(form.texts("timestamp_granularities[]")):
+        if value not in ("word", "segment"):
+            problems.append(_literal(f"body.timestamp_granularities.{i}", value,
+                                     ("word", "segment")))
+    temperature = 0.0
+    raw = form.text("temperature")
+    try:
+        temperature = float(raw) if raw is not None else 0.0
+    except ValueError:
+        problems.append({"type": "float_parsing", "loc": "body.temperature",
+                         "msg": "Input should be a valid number, unable to parse string as a "
+                                "number", "input": raw})
+    flags = []
+    for name in ("stream", "stream_include_usage", "stream_continuous_usage_stats"):
+        raw = (form.text(name) or "false").strip().lower()
+        if raw not in ("true", "1", "yes", "on", "t", "y", "false", "0", "no", "off", "f", "n"):
+            problems.append({"type": "bool_parsing", "loc": f"body.{name}", "msg": "Input "
+                             "should be a valid boolean, unable to interpret input",
+                             "input": form.text(name)})
+        flags.append(raw in ("true", "1", "yes", "on", "t", "y"))
+    if problems:
+        count = f"{len(problems)} validation error{'s' if len(problems) > 1 else ''}"
+        lines = "".join(f"\n  {problem!r}" for problem in problems)
+        raise HttpError(400, f"{count}:{lines}", "Bad Request", str(problems[0]["loc"]))
+    return fmt, temperature, (flags[0], flags[1], flags[2])
+
+
+def _decode(data: bytes) -> Heard:
+    if len(data) / 1024**2 > MAX_FILE_MB:
+        size = len(data) / 1024**2
+        raise bad(f"Maximum file size exceeded (parameter=audio_filesize_mb, value={size})",
+                  "audio_filesize_mb")
+    try:
+        heard = hear(data)
+    except Undecodable as exc:
+        raise bad("Invalid or unsupported audio file." if exc.broken_wav else CORRUPTED) from None
+    if heard.duration_s > MAX_DURATION_S:
+        raise bad(f"Audio exceeds maximum allowed duration of {MAX_DURATION_S}s (file contains "
+                  f"{heard.duration_s:.1f}s at {heard.rate or 16000}Hz). Set "
+                  "VLLM_MAX_AUDIO_DECODE_DURATION_S to increase this limit.")
+    return heard
+
+
+def _transcript(data: bytes, heard: Heard) -> tuple[str, float]:
+    duration = round(heard.duration_s, 3)
+    text = heard.marked_text
+    return (pseudo_transcript(data, duration) if text is None else text), duration
+
+
+async def openai_audio(ex: Exchange, task: str) -> web.StreamResponse:
+    form = Form(ex.fields)
+    upload = form.get("file")
+    if upload is not None and not upload.is_file:
+        raise HttpError(422, "Expected 'file' to be a file-like object, not 'str'.",
+                        "Unprocessable Entity")
+    fmt, temperature, (stream, usage, continuous) = _parse(form)
+    assert upload is not None
+    if (usage or continuous) and not stream:
+        raise bad("Stream options can only be defined when `stream=True`. "
+                  "(parameter=stream_include_usage)", "stream_include_usage")
+    models = ex.config.models
+    ex.model = form.text("model") or models[0]
+    if ex.model not in models:
+        raise HttpError(404, f"The model `{ex.model}` does not exist. Valid aliases: "
+                        f"{', '.join(models)}.", "NotFoundError", "model")
+    if fmt == "diarized_json":
+        raise bad("diarized_json needs a diarization model; Whisper cannot produce it")
+    if fmt not in FORMS_ANSWERED:
+        raise bad("Currently only support response_format: `text`, `json`, `verbose_json` or "
+                  "`diarized_json`")
+    if stream and fmt == "verbose_json":
+        raise bad("verbose_json format doesn't support streaming case")
+    data = upload.value if isinstance(upload.value, bytes) else upload.value.encode()
+    heard = _decode(data)
+    if temperature < 0:
+        raise bad(f"temperature must be non-negative, got {temperature}. (parameter="
+                  f"temperature, value={temperature})", "temperature")
+    if temperature > 2:
+        raise bad(f"temperature must be in [0, 2], got {temperature}. (parameter=temperature, "
+                  f"value={temperature})", "temperature")
+    language = form.text("language")
+    if language is not None and language not in VLLM_LANGUAGES and language not in LANGUAGES:
+        raise bad(f"Unsupported language: {language!r}.  Must be one of {list(VLLM_LANGUAGES)}.")
+    if ex.config.ttft_ms > 0:
+        await pause(ex.request, ex.config.ttft_ms / 1000)
+    text, duration = _transcript(data, heard)
+    segs = segments(text, duration)
+    if stream:
+        return await _stream(ex, text, segs, duration, usage, continuous)
+    if fmt != "verbose_json":
+        body: dict[str, object] = {"text": text}
+        if task == "transcribe":
+            body["usage"] = {"type": "duration", "seconds": usage_seconds(duration)}
+        return json_response(body)
+    words = None
+    if ex.config.word_timestamps and "word" in form.texts("timestamp_granularities[]"):
+        words = [{"word": w.text.strip(".,!?;:\"'()") or w.text, "start": w.start, "end": w.end}
+                 for seg in segs for w in seg.words]
+    return json_response({"duration": duration, "language": language or "en", "text": text,
+                          "segments": _vllm_segments(segs, temperature), "words": words})
+
+
+def _vllm_segments(segs: Sequence[Segment], temperature: float) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    index = 0
+    for i, seg in enumerate(segs):
+        index = 0 if i == 0 or segs[i - 1].chunk != seg.chunk else index + 1
+        out.append({"id": index, "avg_logprob": avg_logprob(seg.text),
+                    "compression_ratio": compression_ratio(seg.text), "end": seg.end,
+                    "no_speech_prob": None, "seek": int(seg.chunk * MAX_CHUNK_S),
+                    "start": seg.start, "temperature": temperature, "text": seg.text,
+                    "tokens": [w.token for w in seg.words]})
+    return out
+
+
+async def _stream(ex: Exchange, text: str, segs: Sequence[Segment], duration: float,
+                  usage: bool, continuous: bool) -> web.StreamResponse:
+    """vLLM's transcription stream: a word per event (with the whitespace before it), a finish
+    chunk per 30 s window, then the optional usage chunk and `[DONE]`."""
+    writer = EventWriter(ex, b"data: ", vllm.VLLM_CHAT.error_events)
+    await writer.open({"Content-Type": "text/event-stream; charset=utf-8"})
+    rid = ex.request.headers.get("X-Request-Id") or os.urandom(8).hex()
+    envelope = {"id": f"transcribe-{rid}", "object": "transcription.chunk",
+                "created": int(time.time()), "model": ex.model}
+    prompt = 4 + math.ceil(round(duration * 100, 6))  # decoder prompt + 10 ms audio frames
+    done = 0
+    cursor = 0
+
+    async def send(choices: list[dict[str, object]], with_usage: bool) -> None:
+        extra = {"usage": {"prompt_tokens": prompt, "total_tokens": prompt + done,
+                           "completion_tokens": done}} if with_usage else {}
+        await writer.send(orjson.dumps({**envelope, "choices": choices, **extra}))
+
+    windows = sorted({seg.chunk for seg in segs})
+    for window in windows:
+        words = [w for seg in segs if seg.chunk == window for w in seg.words]
+        for word in words:
+            end = text.index(word.text, cursor) + len(word.text)
+            piece, cursor = text[cursor:end], end
+            if word is words[-1] and window == windows[-1]:
+                piece, cursor = piece + text[end:], len(text)  # trailing whitespace too
+            done += 1
+            await send([{"delta": {"content": piece}}], continuous)
+        done += 1  # the window's end-of-text token
+        await send([{"delta": {"content": ""}, "finish_reason": "stop", "stop_reason": None}],
+                   continuous)
+    if usage:
+        await send([], True)
+    await writer.send(b"[DONE]")
+    return writer.response
+
+
+async def transcriptions(ex: Exchange) -> web.StreamResponse:
+    return await openai_audio(ex, "transcribe")
+
+
+async def translations(ex: Exchange) -> web.StreamResponse:
+    return await openai_audio(ex, "translate")
+
+
+# --- whisper.cpp ----------------------------------------------------------------------------
+
+
+def _cpp_error(exc: HttpError) -> web.Response:
+    return json_response({"error": exc.message}, status=exc.status)
+
+
+def _flag(form: Form, name: str) -> bool:
+    return (form.text(name) or "").strip().lower() in ("true", "1", "yes")
+
+
+def _stamp(seconds: float, sep: str) -> str:
+    ms = round(seconds * 1000)
+    hours, minutes, secs = ms // 3_600_000, ms // 60_000 % 60, ms // 1000 % 60
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{sep}{ms % 1000:03d}"
+
+
+async def whisper_cpp(ex: Exchange) -> web.StreamResponse:
+    async with ex.request.app[ONE_AT_A_TIME]:  # whisper.cpp serves one request at a time
+        return await _whisper_cpp(ex)
+
+
+async def _whisper_cpp(ex: Exchange) -> web.StreamResponse:
+    form = Form(ex.fields)
+    status = 200 if ex.config.whisper_cpp_errors_200 else 400
+    upload = form.get("file")
+    if upload is None:
+        raise HttpError(status, "no 'file' field in the request")
+    try:
+        temperature = float(form.text("temperature") or 0.0)
+    except ValueError:
+        # std::stof throws; cpp-httplib answers an escaped exception with a bare 500.
+        return web.Response(status=500, headers={"EXCEPTION_WHAT": "stof"})
+    language = (form.text("language") or "en").strip().lower()
+    names = {name: code for code, name in LANGUAGES.items()}
+    if language != "auto" and language not in LANGUAGES and language not in names:
+        raise HttpError(status, f"unknown language '{language}'")
+    data = upload.value if isinstance(upload.value, bytes) else upload.value.encode()
+    try:
+        heard = hear(data)
+    except Undecodable:
+        heard = None
+    if heard is None or heard.format not in CPP_AUDIO:
+        raise HttpError(status, "failed to read audio data")
+    if ex.config.ttft_ms > 0:
+        await pause(ex.request, ex.config.ttft_ms / 1000)
+    text, duration = _transcript(data, heard)
+    segs = segments(text, duration)
+    fmt = form.text("response_format") or "json"
+    spoken = "".join(f" {seg.text}" for seg in segs)  # whisper.cpp's segments start with " "
+    if fmt == "text":
+        return web.Response(text=spoken + "\n", content_type="text/html", charset="utf-8")
+    if fmt in ("srt", "vtt"):
+        sep = "," if fmt == "srt" else "."
+        cues = [f"{_stamp(s.start, sep)} --> {_stamp(s.end, sep)}\n {s.text}\n\n" for s in segs]
+        if fmt == "srt":
+            body = "".join(f"{i + 1}\n{cue}" for i, cue in enumerate(cues))
+            return web.Response(body=body.encode(), content_type="application/x-subrip")
+        return web.Response(text="WEBVTT\n\n" + "".join(cues), content_type="text/vtt")
+    if fmt != "verbose_json":
+        return json_response({"text": spoken})  # whisper.cpp's fallback for any other value
+    language = names.get(language, language)
+    full_name = LANGUAGES.get("en" if language == "auto" else language, "english")
+    timed = not _flag(form, "no_timestamps")
+    out = []
+    for i, seg in enumerate(segs):
+        entry: dict[str, object] = {"id": i, "text": f" {seg.text}"}
+        if timed:
+            entry |= {"start": seg.start, "end": seg.end}
+        words = []
+        for word in seg.words:
+            token: dict[str, object] = {"word": f" {word.text}"}
+            if timed:
+                token |= {"start": word.start, "end": word.end, "t_dtw": -1}
+            token["probability"] = round(0.5 + word.token % 490 / 1000, 3)
+            words.append(token)
+        entry |= {"tokens": [w.token for w in seg.words], "words": words,
+                  "temperature": temperature, "avg_logprob": avg_logprob(seg.text),
+                  "no_speech_prob": 0.0}
+        out.append(entry)
+    task = "translate" if _flag(form, "translate") else "transcribe"
+    return json_response({"task": task, "language": full_name, "duration": duration,
+                          "text": spoken, "segments": out})
+
+
+def add_routes(app: web.Application) -> None:
+    app[ONE_AT_A_TIME] = asyncio.Lock()
+    app.router.add_post("/v1/audio/transcriptions", inference(transcriptions, form=True))
+    app.router.add_post("/v1/audio/translations", inference(translations, form=True))
+    app.router.add_post("/inference", inference(whisper_cpp, form=True, errors=_cpp_error))
+    app.router.add_get("/v1/models", vllm.models)
+    app.router.add_get("/version", vllm.version)
+    app.router.add_get("/health", health_status)

@@ -42,7 +42,15 @@ from proxy.appkeys import (
 from proxy.config import Config
 from proxy.credits.ledger import Ledger
 from proxy.credits.settler import Settler
-from proxy.families.handlers import ASR, IMAGE, TTS, VIDEO
+from proxy.families.handlers import (
+    ASR,
+    IMAGE,
+    OPENAI_SPEECH,
+    OPENAI_TRANSCRIPTIONS,
+    OPENAI_TRANSLATIONS,
+    TTS,
+    VIDEO,
+)
 from proxy.http.middleware import gateway_middleware
 from proxy.identity.keystore import KeyStore
 from proxy.pipeline import chat_route, task_route
@@ -120,6 +128,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v2/audio/asr/engine", task_route(ASR), docs.ASR),
     Route("POST", "/v2/image/{provider}/generate", task_route(IMAGE), docs.IMAGE),
     Route("POST", "/v2/video/{provider}/t2v", task_route(VIDEO), docs.VIDEO),
+    # The same, in OpenAI's spelling (for the `openai` client's audio calls).
+    Route("POST", "/v2/compat/v1/audio/speech", task_route(OPENAI_SPEECH), docs.OPENAI_SPEECH),
+    Route("POST", "/v2/compat/v1/audio/transcriptions", task_route(OPENAI_TRANSCRIPTIONS),
+          docs.OPENAI_TRANSCRIPTIONS),
+    Route("POST", "/v2/compat/v1/audio/translations", task_route(OPENAI_TRANSLATIONS),
+          docs.OPENAI_TRANSLATIONS),
     # Beside it.
     Route("GET", "/v2/models", models.list_models, docs.MODELS),
     Route("GET", "/v2/audio/tts/presets", models.tts_presets, docs.TTS_PRESETS),
@@ -162,7 +176,8 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
     app = web.Application(
         middlewares=[gateway_middleware],
         client_max_size=max(caps.chat.max_body_bytes, caps.tts.max_body_bytes,
-                            caps.asr.max_body_bytes, caps.generation.max_body_bytes),
+                            caps.asr.max_body_bytes, caps.generation.max_body_bytes,
+                            caps.fetch.max_bytes),
     )
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends, config.health)

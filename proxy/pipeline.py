@@ -151,8 +151,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     principal = await snapshot.auth.principal(request.headers, request.remote)
     tier = tier_of(policies.tiers, principal.tier)
     try:
-        raw = await read_capped(request, family.max_body_bytes(policies))
-        job = family.parse(request, parse_json_object(raw), policies)
+        job = family.parse(request, await family.read(request, policies), policies)
         pool = family.pool(app[ROUTER], request, job, policies)  # 404
         check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                      mode="network" if job.mode == "network" else "direct")

@@ -96,6 +96,8 @@ class Doc:
     description: str = ""
     params: Params = ()
     drains: bool = True  # refused (503) while the gateway drains; health probes are not
+    # A multipart/form-data body instead: its schema as written (files as binary strings).
+    form: JSONObject | None = None
 
 
 _SECURITY_SCHEMES: Final[dict[str, Any]] = {
@@ -273,6 +275,9 @@ def build_openapi(routes: Iterable[tuple[str, str, Doc, Family]], *, title: str,
             if doc.example is not None:
                 media["example"] = doc.example
             item["requestBody"] = {"required": True, "content": {JSON: media}}
+        elif doc.form is not None:
+            item["requestBody"] = {"required": True,
+                                   "content": {"multipart/form-data": {"schema": doc.form}}}
         item["responses"] = {str(status): _response(response, schema_of)
                              for status, response in sorted(responses.items())}
         security: list[dict[str, list[str]]] = [{name: []} for name in doc.security]
@@ -390,6 +395,7 @@ async def document(request: web.Request) -> web.Response:
     caps = policies.requests
     router = app[appkeys.ROUTER]
     body = _live(app[appkeys.OPENAPI], tiers, tuple(router.chat_models),
+                 tuple(router.models("tts")), tuple(router.models("asr")),
                  Limits(caps.tts.max_characters, caps.generation.max_images,
                         caps.generation.max_video_s),
                  (tuple(router.providers("image")), tuple(router.providers("video"))))
@@ -405,13 +411,21 @@ class Limits(NamedTuple):
 
 
 @lru_cache(maxsize=8)
-def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...], limits: Limits,
+def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...],
+          speech_models: tuple[str, ...], asr_models: tuple[str, ...], limits: Limits,
           providers: tuple[tuple[str, ...], tuple[str, ...]]) -> bytes:
     """The built document with the tiers keys may be issued for, the models and providers
     served, and this gateway's own request limits."""
     doc = orjson.loads(base)
     schemas = doc["components"]["schemas"]
     schemas["TtsRequest"]["properties"]["text"]["maxLength"] = limits.tts_characters
+    schemas["SpeechRequest"]["properties"]["input"]["maxLength"] = limits.tts_characters
+    if speech_models:
+        schemas["SpeechRequest"]["properties"]["model"]["examples"] = list(speech_models)
+    for path in ("/v2/compat/v1/audio/transcriptions", "/v2/compat/v1/audio/translations"):
+        form = doc["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]
+        if asr_models:
+            form["schema"]["properties"]["model"]["examples"] = list(asr_models)
     _set_maximum(schemas["ImageRequest"]["properties"]["n"], limits.images)
     for name in ("seconds", "duration"):
         _set_maximum(schemas["VideoRequest"]["properties"][name], limits.video_s)

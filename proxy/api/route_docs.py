@@ -41,8 +41,9 @@ from proxy.api.openapi import (
 )
 from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
 from proxy.credits.idempotency import MAX_KEY_LENGTH
-from proxy.families.asr import AsrRequest
+from proxy.families.asr import LANGUAGE_PATTERN, AsrRequest
 from proxy.families.generation import ImageRequest, VideoRequest
+from proxy.families.openai_audio import SpeechRequest
 from proxy.families.tts import TtsRequest
 from proxy.identity.apikeys import KEY_ID_HEX, KEY_ID_PREFIX
 from proxy.identity.keystore import ACCOUNT_PATTERN
@@ -390,6 +391,57 @@ VIDEO: Final = _task(
     Response("The video", None, ("video/x-msvideo", "video/mp4", JSON)),
     VideoRequest, {"prompt": "waves on a beach", "seconds": 2}, "video",
 )
+OPENAI_SPEECH: Final = _task(
+    "Text to speech, OpenAI style (`client.audio.speech.create`)",
+    "The TTS route in OpenAI's spelling: `input`, `voice` (a preset), `speed`; the answer is WAV "
+    "(16-bit PCM mono 24 kHz) or, with `response_format: \"pcm\"`, the raw samples. Charged "
+    "per character.",
+    Response("The speech", None, ("audio/wav", "audio/pcm"),
+             {**_TASK_HEADERS, "X-Voice": Header("The preset spoken with")}),
+    SpeechRequest, {"model": "acme/csm-1b", "input": "Hello there.", "voice": "alice"},
+    "audio",
+)
+
+
+def _transcription_form(task: str) -> JSONObject:
+    return {
+        "type": "object", "required": ["file", "model"], "additionalProperties": False,
+        "properties": {
+            "file": {"type": "string", "contentMediaType": "application/octet-stream",
+                     "description": "WAV, MP3, M4A, WEBM, FLAC or OGG (read from the content); "
+                                    "at most [fetch] max_bytes, 25 MB by default"},
+            "model": {"type": "string", "minLength": 1},
+            **({"language": {"type": "string", "pattern": LANGUAGE_PATTERN}}
+               if task == "transcribe" else {}),
+            "prompt": {"type": "string", "maxLength": 10_000},
+            "response_format": {"enum": ["json", "text", "verbose_json"]},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "timestamp_granularities[]": {"type": "array",
+                                          "items": {"enum": ["word", "segment"]}},
+        },
+    }
+
+
+def _openai_transcription(task: str, summary: str) -> Doc:
+    return Doc(
+        summary=summary, tags=("audio",), form=_transcription_form(task),
+        description="The ASR route in OpenAI's spelling, the audio uploaded (multipart) rather "
+                    "than fetched. Answers `json` ({text, usage}), `text`, or `verbose_json` "
+                    "(segments; words with `timestamp_granularities[]=word`). Charged per second "
+                    "of audio.",
+        responses={
+            200: Response("The transcription", None, (JSON, TEXT), _TASK_HEADERS),
+            **errors("gateway", *_TASK_ERRORS),
+            422: error("gateway", 422, "A form field off OpenAI's table (validation_error), or "
+                                       "a file that is not audio"),
+        },
+    )
+
+
+OPENAI_TRANSCRIPTIONS: Final = _openai_transcription(
+    "transcribe", "Speech to text, OpenAI style (`client.audio.transcriptions.create`)")
+OPENAI_TRANSLATIONS: Final = _openai_transcription(
+    "translate", "Speech to English text, OpenAI style (`client.audio.translations.create`)")
 TTS_PRESETS: Final = Doc(
     summary="List voice presets",
     description="The names `preset_voice` takes; open to guests and keys alike.",

@@ -13,6 +13,7 @@ over each segment by character offset (`words_estimated: true`).
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -109,30 +110,50 @@ class UnusableAnswer(ValueError):
     """The server's answer is not a transcription (whisper.cpp <= 1.8 sends errors with 200)."""
 
 
-def answer(raw: object, req: AsrRequest, duration_s: float | None) -> tuple[dict[str, Any], float]:
-    """The client's answer and the audio seconds to charge: the longer of the gateway's measure
-    (from the file's headers, which a client writes and may understate) and the server's (from
-    decoding it), whichever exist."""
+@dataclass(frozen=True, slots=True)
+class Transcript:
+    """A server's answer, read: what every rendering of it (the spec's, OpenAI's) needs."""
+
+    text: str
+    language: str  # ISO 639-1 (or "und")
+    duration_s: float  # the longer of the gateway's measure and the server's
+    segments: list[dict[str, Any]]  # {id, start, end, text}
+    words: list[dict[str, Any]]  # {word, start, end}
+    words_estimated: bool  # spread over segments: the server gave none
+
+
+def read_transcript(raw: object, req: AsrRequest, duration_s: float | None) -> Transcript:
+    """The server's verbose answer; `duration_s` is the gateway's measure of the audio (from
+    the file's headers, which a client writes and may understate), the server's is from
+    decoding it: the longer one counts."""
     if not isinstance(raw, dict) or "error" in raw or not isinstance(raw.get("text"), str):
         raise UnusableAnswer("not a transcription")
     reported = _number(raw.get("duration"))
     known = [d for d in (duration_s, reported) if d is not None and d >= 0]
     if not known:
         raise UnusableAnswer("no duration")
-    duration_s = max(known)
-    language = language_code(raw.get("language")) or req.language or "und"
-    out: dict[str, Any] = {"text": raw["text"].strip(), "language": language,
-                           "duration": round(duration_s, 3)}
     segments = _segments(raw.get("segments"))
+    words = _words(raw.get("words")) or [w for s in segments for w in _words(s["words"])]
+    estimated = not words
+    if estimated:
+        words = [w for s in segments for w in spread_words(s)]
+    return Transcript(raw["text"].strip(),
+                      language_code(raw.get("language")) or req.language or "und", max(known),
+                      [{k: v for k, v in s.items() if k != "words"} for s in segments],
+                      words, estimated)
+
+
+def answer(t: Transcript, req: AsrRequest) -> dict[str, Any]:
+    """The spec's ASR response, with segments or words as `return_timestamps` asks."""
+    out: dict[str, Any] = {"text": t.text, "language": t.language,
+                           "duration": round(t.duration_s, 3)}
     if req.return_timestamps is True:
-        out["segments"] = [{k: v for k, v in s.items() if k != "words"} for s in segments]
+        out["segments"] = t.segments
     elif req.return_timestamps == "word":
-        words = _words(raw.get("words")) or [w for s in segments for w in _words(s["words"])]
-        if not words:
-            words = [w for s in segments for w in spread_words(s)]
+        if t.words_estimated:
             out["words_estimated"] = True
-        out["words"] = words
-    return out, duration_s
+        out["words"] = t.words
+    return out
 
 
 def _number(value: object) -> float | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -30,7 +30,9 @@ from proxy.appkeys import FETCHER, LIVE, REQUEST_ID, RESPONSE_HEADERS, UPSTREAMS
 from proxy.config import Policies
 from proxy.credits.pricing import Units
 from proxy.errors import ErrorKind, GatewayError, validation_failed
-from proxy.families import asr, generation, tts
+from proxy.families import asr, generation, openai_audio, tts
+from proxy.families.openai_audio import Speech, Transcription
+from proxy.http.body import Form, read_form, read_json
 from proxy.media.audio import NotAudio, probe
 from proxy.media.wav import SPEECH_RATE, BadAudio, to_speech_wav, wav_bytes
 from proxy.outcome import Outcome
@@ -40,6 +42,8 @@ from proxy.upstream.pool import Backend, Pool, Router
 from proxy.validate import RequestInvalid
 
 ANSWER_MAX_BYTES = 16 * 1024 * 1024  # a transcription or an image list as JSON
+FORM_SLACK = 256 * 1024  # an upload's form: the audio's cap plus its text fields
+JSON = "application/json"
 SPEECH_HEADER = 44  # the canonical WAV header to_speech_wav writes
 _WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
 
@@ -69,8 +73,12 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def max_body_bytes(self, policies: Policies) -> int: ...
 
+    async def read(self, request: web.Request, policies: Policies) -> Any:
+        """The body: a JSON object (415, 413, 408, 400 as proxy.http.body says)."""
+        return await read_json(request, self.max_body_bytes(policies))
+
     @abc.abstractmethod
-    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
         """The request as the family reads it; 422 (GatewayError) when it is not one."""
 
     @abc.abstractmethod
@@ -130,17 +138,17 @@ class SpeechSynthesis(Family):
     def max_body_bytes(self, policies: Policies) -> int:
         return policies.requests.tts.max_body_bytes
 
-    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
         req: tts.TtsRequest = _parsed(tts.parse_tts, body, policies.requests.tts.max_characters)
-        return Job(req, req.model, req.mode or "auto", bool(req.async_),
-                   Units(characters=len(req.text)))
+        return _speech_job(Speech(req))
 
     def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
         return router.pool("tts", job.model or policies.requests.tts.default_model)
 
     async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
                   ) -> web.StreamResponse:
-        req: tts.TtsRequest = job.request
+        speech: Speech = job.request
+        req = speech.req
         app = request.app
         sample = None
         if req.custom_voice is not None:
@@ -163,13 +171,30 @@ class SpeechSynthesis(Family):
         for text in tts.split_text(req.text, limit):  # one piece, unless the server's limit
             def body_for(backend: Backend, text: str = text) -> bytes:
                 voice = tts.server_voice(preset, backend.spec.voices)
-                return orjson.dumps(tts.speech_body(req, text, pool.model, voice, sample))
+                return orjson.dumps(tts.speech_body(req, text, pool.model, voice, sample,
+                                                    speech.speed))
 
             pieces.append(await app[UPSTREAMS].call(pool, tts.SPEECH_PATH, body_for, headers,
                                                     request.headers, use))
         audio = pieces[0] if len(pieces) == 1 else join_speech(pieces)
-        return await _send(request, result, audio, "audio/wav", reply,
-                           Units(characters=len(req.text)))
+        used = Units(characters=len(req.text))
+        if speech.response_format == "pcm":  # OpenAI's raw 16-bit mono 24 kHz
+            return await _send(request, result, audio[SPEECH_HEADER:], "audio/pcm", reply, used)
+        return await _send(request, result, audio, "audio/wav", reply, used)
+
+
+class OpenAISpeech(SpeechSynthesis):
+    """`/v2/compat/v1/audio/speech`: OpenAI's spelling of the same request."""
+
+    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+        return _speech_job(_parsed(openai_audio.parse_speech, body,
+                                   policies.requests.tts.max_characters))
+
+
+def _speech_job(speech: Speech) -> Job:
+    req = speech.req
+    return Job(speech, req.model, req.mode or "auto", bool(req.async_),
+               Units(characters=len(req.text)))
 
 
 def join_speech(wavs: list[bytes]) -> bytes:
@@ -202,29 +227,35 @@ class SpeechRecognition(Family):
     def max_body_bytes(self, policies: Policies) -> int:
         return policies.requests.asr.max_body_bytes
 
-    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
-        req: asr.AsrRequest = _parsed(asr.parse_asr, body)
-        max_s = policies.requests.asr.max_audio_s
-        return Job(req, req.model, req.mode or "auto", bool(req.async_),
-                   Units(audio_ms=max_s * 1000))
+    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+        return _transcription_job(Transcription(_parsed(asr.parse_asr, body)), policies)
 
     def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
         return router.pool("asr", job.model or policies.requests.asr.default_model)
 
     async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
                   ) -> web.StreamResponse:
-        req: asr.AsrRequest = job.request
+        job_: Transcription = job.request
+        req = job_.req
         app = request.app
-        audio = await _fetch_audio(request, req.audio_url, ("audio_url",))
+        where = ("audio_url",) if job_.upload is None else ("file",)
+        if job_.upload is None:
+            audio = await _fetch_audio(request, req.audio_url, where)
+        else:
+            audio = job_.upload
         try:
             info = probe(audio)
         except NotAudio:
-            raise _unfetchable(("audio_url",)) from None
+            if job_.upload is None:
+                raise _unfetchable(where) from None
+            raise validation_failed([{"loc": ["body", "file"], "type": "not_audio",
+                                      "msg": "the file is not WAV, MP3, M4A, WEBM, FLAC or OGG "
+                                             "audio"}]) from None
         longest = job.worst.audio_ms / 1000
         if info.duration_s is not None and info.duration_s > longest:
-            raise validation_failed([{"loc": ["body", "audio_url"], "type": "audio_too_long",
+            raise validation_failed([{"loc": ["body", *where], "type": "audio_too_long",
                                       "msg": f"the audio is longer than {longest:g} s"}])
-        content_type, forms = _forms(req, pool, audio, info.format)
+        content_type, forms = _forms(job_, pool, audio, info.format)
         headers = {"Content-Type": content_type, "Accept": "application/json",
                    "X-Request-Id": request[REQUEST_ID]}
         reply = _reply_headers(request)
@@ -232,27 +263,57 @@ class SpeechRecognition(Family):
         async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> web.Response:
             raw = await read_answer(upstream, ANSWER_MAX_BYTES)
             try:
-                out, seconds = asr.answer(orjson.loads(raw), req, info.duration_s)
+                transcript = asr.read_transcript(orjson.loads(raw), req, info.duration_s)
             except (orjson.JSONDecodeError, asr.UnusableAnswer):
                 raise GatewayError(ErrorKind.UPSTREAM_ERROR,
                                    "the speech recognition server sent an unusable answer"
                                    ) from None
-            used = Units(audio_ms=min(math.ceil(seconds * 1000), job.worst.audio_ms))
-            return await _send(request, result, orjson.dumps(out), "application/json", reply,
-                               used)
+            used = Units(audio_ms=min(math.ceil(transcript.duration_s * 1000),
+                                      job.worst.audio_ms))
+            if job_.response_format == "spec":
+                body, content_type = orjson.dumps(asr.answer(transcript, req)), JSON
+            else:
+                body, content_type = openai_audio.render_transcription(transcript, job_)
+            return await _send(request, result, body, content_type, reply, used)
 
         return await app[UPSTREAMS].call(
             pool, lambda b: asr.upstream_path(req, b.spec.api), lambda b: forms[b.spec.api],
             headers, request.headers, use)
 
 
-def _forms(req: asr.AsrRequest, pool: Pool, audio: bytes, audio_format: str
+class OpenAITranscription(SpeechRecognition):
+    """`/v2/compat/v1/audio/transcriptions` and `/translations`: OpenAI's spelling, the audio
+    uploaded rather than fetched."""
+
+    def __init__(self, task: Literal["transcribe", "translate"]) -> None:
+        self.task = task
+
+    async def read(self, request: web.Request, policies: Policies) -> Any:
+        return await read_form(request, policies.requests.fetch.max_bytes + FORM_SLACK)
+
+    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+        form: Form = body
+        files = {name: upload.data for name, upload in form.files.items()}
+        return _transcription_job(_parsed(openai_audio.parse_transcription, form.fields, files,
+                                          self.task), policies)
+
+
+def _transcription_job(t: Transcription, policies: Policies) -> Job:
+    """Held: the longest audio the policy takes, until the audio is measured."""
+    req = t.req
+    return Job(t, req.model, req.mode or "auto", bool(req.async_),
+               Units(audio_ms=policies.requests.asr.max_audio_s * 1000))
+
+
+def _forms(t: Transcription, pool: Pool, audio: bytes, audio_format: str
            ) -> tuple[str, dict[str, bytes]]:
     """One multipart body per wire the pool's servers speak, all under one boundary (the
     Content-Type header is the same for every backend)."""
     boundary = asr.new_boundary()
+    extra = [("prompt", t.prompt)] if t.prompt is not None else []
     forms: dict[str, bytes] = {
-        api: asr.multipart(asr.form_fields(req, api, pool.model), audio, audio_format, boundary)
+        api: asr.multipart(asr.form_fields(t.req, api, pool.model) + extra, audio,
+                           audio_format, boundary)
         for api in {b.spec.api for b in pool.backends}}
     return f"multipart/form-data; boundary={boundary}", forms
 
@@ -267,7 +328,7 @@ class Generation(Family):
     def max_body_bytes(self, policies: Policies) -> int:
         return policies.requests.generation.max_body_bytes
 
-    def parse(self, request: web.Request, body: dict[str, Any], policies: Policies) -> Job:
+    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
         limits = policies.requests.generation
         if self.name == "image":
             image: generation.ImageRequest = _parsed(generation.parse_image, body,
@@ -318,5 +379,8 @@ class Generation(Family):
 
 TTS = SpeechSynthesis()
 ASR = SpeechRecognition()
+OPENAI_SPEECH = OpenAISpeech()
+OPENAI_TRANSCRIPTIONS = OpenAITranscription("transcribe")
+OPENAI_TRANSLATIONS = OpenAITranscription("translate")
 IMAGE = Generation("image", "/v1/images/generations")
 VIDEO = Generation("video", "/v1/videos/generations")

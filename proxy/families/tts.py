@@ -133,12 +133,14 @@ def _fit(sentence: str, limit: int) -> list[str]:
     return parts
 
 
-def speech_body(req: TtsRequest, text: str, model: str, voice: str, sample: bytes | None
-                ) -> dict[str, Any]:
+def speech_body(req: TtsRequest, text: str, model: str, voice: str, sample: bytes | None,
+                speed: float | None = None) -> dict[str, Any]:
     """OpenAI's speech request for `text` (the request's, or a piece of it); WAV asked for (the
     gateway checks and converts what comes)."""
     body: dict[str, Any] = {"model": model, "input": text, "voice": voice,
                             "response_format": "wav"}
+    if speed is not None:
+        body["speed"] = speed
     if sample is not None:
         body["voice_sample"] = {"audio": base64.b64encode(sample).decode(),
                                 "context_text": (req.custom_voice.context_text

@@ -10,10 +10,11 @@ arrive (413 past the cap, 408 past `[server] body_timeout_s`), then the JSON its
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import StreamReader, web
+from aiohttp import BodyPartReader, StreamReader, web
 
 from proxy.appkeys import CONFIG
 from proxy.errors import ErrorKind, GatewayError
@@ -48,6 +49,87 @@ async def read_capped(request: web.Request, cap: int, *, require_json: bool = Tr
         raise GatewayError(ErrorKind.REQUEST_TIMEOUT,
                            f"the request body did not arrive within {deadline:g} s",
                            headers={"Connection": "close"}) from None
+
+
+@dataclass(slots=True)
+class Form:
+    """A multipart/form-data body: text fields (repeatable: `timestamp_granularities[]`) and
+    uploaded files."""
+
+    fields: dict[str, list[str]] = field(default_factory=dict)
+    files: dict[str, Upload] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    data: bytes
+    filename: str | None
+    content_type: str | None
+
+
+MAX_FORM_FIELDS = 64  # OpenAI's transcription form has about a dozen
+FIELD_MAX_BYTES = 64 * 1024  # a text field (e.g. a transcription `prompt`)
+
+
+async def read_form(request: web.Request, cap: int) -> Form:
+    """A multipart body, `cap` bytes at most over all its parts, counted as they arrive (aiohttp's
+    client_max_size does not cover multipart reads); 415 when it is not multipart, 413 past the
+    cap, 408 past the body deadline, 400 when it is malformed."""
+    media = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+    if media != "multipart/form-data":
+        raise GatewayError(ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+                           "the request body must be multipart/form-data")
+    declared = request.content_length
+    if declared is not None and declared > cap:
+        raise _too_large(cap)
+    deadline = request.app[CONFIG].server.body_timeout_s
+    try:
+        async with asyncio.timeout(deadline):
+            return await _read_form(request, cap)
+    except TimeoutError:
+        raise GatewayError(ErrorKind.REQUEST_TIMEOUT,
+                           f"the request body did not arrive within {deadline:g} s",
+                           headers={"Connection": "close"}) from None
+    except (ValueError, AssertionError, RuntimeError):  # aiohttp's words for a broken body
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "the multipart body is malformed",
+                           headers={"Connection": "close"}) from None
+
+
+async def _read_form(request: web.Request, cap: int) -> Form:
+    form = Form()
+    size = count = 0
+    reader = await request.multipart()
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader) or not part.name:
+            raise ValueError("a nested or unnamed part")
+        count += 1
+        if count > MAX_FORM_FIELDS:
+            raise GatewayError(ErrorKind.INVALID_REQUEST,
+                               f"a form of more than {MAX_FORM_FIELDS} fields")
+        limit = cap if part.filename is not None else FIELD_MAX_BYTES
+        chunks: list[bytes] = []
+        part_size = 0
+        while chunk := await part.read_chunk(64 * 1024):
+            size += len(chunk)
+            part_size += len(chunk)
+            if size > cap:
+                raise _too_large(cap)
+            if part_size > limit:
+                raise GatewayError(ErrorKind.PAYLOAD_TOO_LARGE,
+                                   f"form field {part.name!r} exceeds {limit} bytes")
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        if part.filename is not None:
+            form.files[part.name] = Upload(data, part.filename,
+                                           part.headers.get("Content-Type"))
+        else:
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                raise GatewayError(ErrorKind.INVALID_REQUEST,
+                                   f"form field {part.name!r} is not UTF-8 text") from None
+            form.fields.setdefault(part.name, []).append(text)
+    return form
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

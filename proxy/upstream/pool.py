@@ -219,6 +219,9 @@ class Router:
     def providers(self, family: str) -> list[str]:
         return sorted(p for f, p in self._providers if f == family)
 
+    def models(self, family: str) -> list[str]:
+        return sorted(model for f, model in self._pools if f == family)
+
     @property
     def chat_models(self) -> list[str]:
-        return sorted(model for family, model in self._pools if family == "chat")
+        return self.models("chat")

@@ -71,6 +71,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     files.mkdir()
     (files / "hello.wav").write_bytes(wav_bytes(b"\x00\x01" * 24000, 24000))
     env["ST_AUDIO_URL"] = f"http://{AUDIO_HOST}:{audio_port}/hello.wav"
+    env["ST_AUDIO_FILE"] = str(files / "hello.wav")
     # A context that holds every cap the schema allows: a cap beyond a model's context is the
     # gateway's 422 (documented), which no schema can state.
     procs = [subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",

@@ -151,8 +151,8 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     principal = await snapshot.auth.principal(request.headers, request.remote)
     tier = tier_of(policies.tiers, principal.tier)
     try:
-        job = family.parse(request, await family.read(request, policies), policies)
-        pool = family.pool(app[ROUTER], request, job, policies)  # 404
+        job = family.parse(await family.read(request, policies), policies, request.match_info)
+        pool = family.pool(app[ROUTER], job, policies)  # 404
         check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                      mode="network" if job.mode == "network" else "direct")
         mode = _direct_only(job.mode)

@@ -1,9 +1,10 @@
 """Each task family's part of the request path (proxy.pipeline.task runs the rest).
 
 A family reads its request (`parse`: 422), names its pool (`pool`: 404), states the worst case
-its hold covers (`Job.worst`), and, once admitted, runs it (`run`): fetch what the client named,
-call the upstream, check or convert the answer, send it, and record what was used in `Outcome`
-terms and units for the settlement.
+its hold covers (`Job.worst`), and, once admitted, produces the answer (`produce`): fetch what
+the client named, call the upstream, check or convert the answer, and count what was used. The
+request path sends it (`run`); an async task stores it (proxy.tasks) — the same work either way,
+so `produce` needs no client connection, only a `Ctx`.
 
     tts    preset or random voice (or a fetched sample) -> /v1/audio/speech -> WAV checked and
            converted to 16-bit PCM mono 24 kHz -> charged per character
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,11 +54,36 @@ _WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wav
 class Job:
     """A parsed request of one family: what admission and routing need."""
 
-    request: Any  # the family's parsed request (TtsRequest, AsrRequest, or the passed body)
+    request: Any  # the family's parsed request (Speech, Transcription, or the passed body)
     model: str | None
     mode: str
     async_: bool
     worst: Units  # what the hold covers
+    provider: str | None = None  # image and video: the route's <provider>
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    """What producing an answer needs of the request: the app's long-lived objects, the request
+    id (sent upstream), and the client's headers (backends' `forward_headers` pick from them)."""
+
+    app: web.Application
+    request_id: str
+    client_headers: Mapping[str, str]
+
+    @classmethod
+    def of(cls, request: web.Request) -> Ctx:
+        return cls(request.app, request[REQUEST_ID], request.headers)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole answer and what it used."""
+
+    body: bytes
+    content_type: str
+    used: Units
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -78,17 +105,31 @@ class Family(abc.ABC):
         return await read_json(request, self.max_body_bytes(policies))
 
     @abc.abstractmethod
-    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
-        """The request as the family reads it; 422 (GatewayError) when it is not one."""
+    def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
+        """The request as the family reads it (`params`: the route's path parameters); 422
+        (GatewayError) when it is not one."""
 
     @abc.abstractmethod
-    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
         """The backends that serve it; 404 for a model (or provider) no backend serves."""
 
     @abc.abstractmethod
+    async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
+        """Admitted: do it; the answer and what it used."""
+
     async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
                   ) -> web.StreamResponse:
-        """Admitted: do it and send the answer, recording what was used in `result`."""
+        """Produce the answer and send it; it is charged once it is out (or the client left
+        while it went)."""
+        answer = await self.produce(Ctx.of(request), job, pool)
+        headers = {**_reply_headers(request), **answer.headers,
+                   "Content-Type": answer.content_type}
+        response = web.Response(body=answer.body, headers=headers)
+        result.status, result.used = Outcome.CLIENT_GONE, answer.used
+        await response.prepare(request)
+        await response.write_eof()
+        result.status = Outcome.COMPLETED
+        return response
 
 
 def _parsed(parse: Any, *args: Any) -> Any:
@@ -104,21 +145,10 @@ def _reply_headers(request: web.Request, mode: str = "direct") -> dict[str, str]
             "X-Task-Id": ids.task_id(mode)}
 
 
-async def _send(request: web.Request, result: TaskResult, body: bytes, content_type: str,
-                headers: dict[str, str], used: Units) -> web.Response:
-    """Send a whole answer; it is charged once it is out (or the client left while it went)."""
-    response = web.Response(body=body, headers={**headers, "Content-Type": content_type})
-    result.status, result.used = Outcome.CLIENT_GONE, used
-    await response.prepare(request)
-    await response.write_eof()
-    result.status = Outcome.COMPLETED
-    return response
-
-
-async def _fetch_audio(request: web.Request, url: str, loc: tuple[str, ...]) -> bytes:
+async def _fetch_audio(ctx: Ctx, url: str, loc: tuple[str, ...]) -> bytes:
     """Audio a client named by URL: one answer for every way it can fail (reliability F6)."""
-    fetcher = request.app[FETCHER]
-    fetcher.follow(request.app[LIVE].current.policies.requests.fetch)
+    fetcher = ctx.app[FETCHER]
+    fetcher.follow(ctx.app[LIVE].current.policies.requests.fetch)
     try:
         fetched = await fetcher.fetch(url)
     except FetchRefused:
@@ -138,29 +168,28 @@ class SpeechSynthesis(Family):
     def max_body_bytes(self, policies: Policies) -> int:
         return policies.requests.tts.max_body_bytes
 
-    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+    def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         req: tts.TtsRequest = _parsed(tts.parse_tts, body, policies.requests.tts.max_characters)
         return _speech_job(Speech(req))
 
-    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
         return router.pool("tts", job.model or policies.requests.tts.default_model)
 
-    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
-                  ) -> web.StreamResponse:
+    async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
         speech: Speech = job.request
         req = speech.req
-        app = request.app
+        app = ctx.app
         sample = None
         if req.custom_voice is not None:
-            sample = await _fetch_audio(request, req.custom_voice.url, ("custom_voice", "url"))
+            sample = await _fetch_audio(ctx, req.custom_voice.url, ("custom_voice", "url"))
             try:
                 probe(sample)
             except NotAudio:
                 raise _unfetchable(("custom_voice", "url")) from None
         preset = tts.pick_voice(req)
         headers = {"Content-Type": "application/json", "Accept": "audio/wav",
-                   "X-Request-Id": request[REQUEST_ID]}
-        reply = {**_reply_headers(request), "X-Voice": "custom" if sample else preset}
+                   "X-Request-Id": ctx.request_id}
+        reply = {"X-Voice": "custom" if sample else preset}
         cap = app[LIVE].current.policies.requests.tts.max_audio_bytes
         limit = min(b.spec.max_input_chars for b in pool.backends)
 
@@ -175,18 +204,18 @@ class SpeechSynthesis(Family):
                                                     speech.speed))
 
             pieces.append(await app[UPSTREAMS].call(pool, tts.SPEECH_PATH, body_for, headers,
-                                                    request.headers, use))
+                                                    ctx.client_headers, use))
         audio = pieces[0] if len(pieces) == 1 else join_speech(pieces)
         used = Units(characters=len(req.text))
         if speech.response_format == "pcm":  # OpenAI's raw 16-bit mono 24 kHz
-            return await _send(request, result, audio[SPEECH_HEADER:], "audio/pcm", reply, used)
-        return await _send(request, result, audio, "audio/wav", reply, used)
+            return Answer(audio[SPEECH_HEADER:], "audio/pcm", used, reply)
+        return Answer(audio, "audio/wav", used, reply)
 
 
 class OpenAISpeech(SpeechSynthesis):
     """`/v2/compat/v1/audio/speech`: OpenAI's spelling of the same request."""
 
-    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+    def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         return _speech_job(_parsed(openai_audio.parse_speech, body,
                                    policies.requests.tts.max_characters))
 
@@ -227,20 +256,19 @@ class SpeechRecognition(Family):
     def max_body_bytes(self, policies: Policies) -> int:
         return policies.requests.asr.max_body_bytes
 
-    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+    def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         return _transcription_job(Transcription(_parsed(asr.parse_asr, body)), policies)
 
-    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
+    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
         return router.pool("asr", job.model or policies.requests.asr.default_model)
 
-    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
-                  ) -> web.StreamResponse:
+    async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
         job_: Transcription = job.request
         req = job_.req
-        app = request.app
+        app = ctx.app
         where = ("audio_url",) if job_.upload is None else ("file",)
         if job_.upload is None:
-            audio = await _fetch_audio(request, req.audio_url, where)
+            audio = await _fetch_audio(ctx, req.audio_url, where)
         else:
             audio = job_.upload
         try:
@@ -257,10 +285,9 @@ class SpeechRecognition(Family):
                                       "msg": f"the audio is longer than {longest:g} s"}])
         content_type, forms = _forms(job_, pool, audio, info.format)
         headers = {"Content-Type": content_type, "Accept": "application/json",
-                   "X-Request-Id": request[REQUEST_ID]}
-        reply = _reply_headers(request)
+                   "X-Request-Id": ctx.request_id}
 
-        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> web.Response:
+        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> Answer:
             raw = await read_answer(upstream, ANSWER_MAX_BYTES)
             try:
                 transcript = asr.read_transcript(orjson.loads(raw), req, info.duration_s)
@@ -274,11 +301,11 @@ class SpeechRecognition(Family):
                 body, content_type = orjson.dumps(asr.answer(transcript, req)), JSON
             else:
                 body, content_type = openai_audio.render_transcription(transcript, job_)
-            return await _send(request, result, body, content_type, reply, used)
+            return Answer(body, content_type, used)
 
         return await app[UPSTREAMS].call(
             pool, lambda b: asr.upstream_path(req, b.spec.api), lambda b: forms[b.spec.api],
-            headers, request.headers, use)
+            headers, ctx.client_headers, use)
 
 
 class OpenAITranscription(SpeechRecognition):
@@ -291,7 +318,7 @@ class OpenAITranscription(SpeechRecognition):
     async def read(self, request: web.Request, policies: Policies) -> Any:
         return await read_form(request, policies.requests.fetch.max_bytes + FORM_SLACK)
 
-    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+    def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         form: Form = body
         files = {name: upload.data for name, upload in form.files.items()}
         return _transcription_job(_parsed(openai_audio.parse_transcription, form.fields, files,
@@ -328,7 +355,7 @@ class Generation(Family):
     def max_body_bytes(self, policies: Policies) -> int:
         return policies.requests.generation.max_body_bytes
 
-    def parse(self, request: web.Request, body: Any, policies: Policies) -> Job:
+    def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         limits = policies.requests.generation
         if self.name == "image":
             image: generation.ImageRequest = _parsed(generation.parse_image, body,
@@ -342,20 +369,18 @@ class Generation(Family):
             worst = Units(video_ms=generation.video_seconds_asked(video, limits.max_video_s)
                           * 1000)
         return Job(generation.forwarded(body), req.model, req.mode or "auto", bool(req.async_),
-                   worst)
+                   worst, params["provider"])
 
-    def pool(self, router: Router, request: web.Request, job: Job, policies: Policies) -> Pool:
-        return router.provider_pool(self.name, request.match_info["provider"], job.model)
+    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
+        return router.provider_pool(self.name, job.provider or "", job.model)
 
-    async def run(self, request: web.Request, job: Job, pool: Pool, result: TaskResult
-                  ) -> web.StreamResponse:
-        app = request.app
+    async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
+        app = ctx.app
         body = orjson.dumps({**job.request, "model": pool.model})
-        headers = {"Content-Type": "application/json", "X-Request-Id": request[REQUEST_ID]}
-        reply = _reply_headers(request)
+        headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
         cap = app[LIVE].current.policies.requests.generation.max_media_bytes
 
-        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> web.Response:
+        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> Answer:
             raw = await read_answer(upstream, cap)
             content_type = upstream.headers.get("Content-Type", "application/octet-stream")
             media = content_type.partition(";")[0].strip().lower()
@@ -371,10 +396,10 @@ class Generation(Family):
             if not used.counts():
                 raise GatewayError(ErrorKind.UPSTREAM_ERROR,
                                    f"the {self.name} provider sent an unusable answer")
-            return await _send(request, result, raw, content_type, reply, used)
+            return Answer(raw, content_type, used)
 
         return await app[UPSTREAMS].call(pool, self.path, lambda b: body, headers,
-                                         request.headers, use)
+                                         ctx.client_headers, use)
 
 
 TTS = SpeechSynthesis()

@@ -21,7 +21,7 @@ from aiohttp.typedefs import Handler
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from proxy.api import account, admin, models, ollama_discovery, openapi
+from proxy.api import account, admin, models, ollama_discovery, openapi, tasks
 from proxy.api import route_docs as docs
 from proxy.appkeys import (
     ADMITTER,
@@ -37,6 +37,7 @@ from proxy.appkeys import (
     ROUTE_STYLES,
     ROUTER,
     SETTLER,
+    TASKS,
     UPSTREAMS,
 )
 from proxy.config import Config
@@ -65,6 +66,9 @@ from proxy.styles.base import ChatStyle
 from proxy.styles.ollama import OllamaStyle
 from proxy.styles.openai import OpenAIStyle
 from proxy.styles.served import ServedStyle
+from proxy.tasks.run import Runnable, run_task
+from proxy.tasks.runner import TaskRunner
+from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher, rules_from
 from proxy.upstream.pool import Router
@@ -137,6 +141,8 @@ ROUTES: tuple[Route, ...] = (
     # Beside it.
     Route("GET", "/v2/models", models.list_models, docs.MODELS),
     Route("GET", "/v2/audio/tts/presets", models.tts_presets, docs.TTS_PRESETS),
+    Route("GET", "/v2/tasks/{task_id}", tasks.poll, docs.TASK),
+    Route("GET", "/v2/audio/media/{media_key}", tasks.media, docs.MEDIA),
     Route("GET", "/v2/account", account.account, docs.ACCOUNT),
     Route("GET", "/v2/account/usage", account.usage, docs.ACCOUNT_USAGE),
     Route("GET", f"{_NATIVE}/api/tags", ollama_discovery.tags, docs.OLLAMA_TAGS,
@@ -182,7 +188,8 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends, config.health)
     app[OPENAPI] = orjson.dumps(OPENAPI_DOCUMENT)
-    app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx(resolver), _health_ctx])
+    app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx(resolver), _health_ctx,
+                            _tasks_ctx])
     app[ROUTE_STYLES] = {r.handler: r.style for r in ROUTES if r.style is not None}
     for route in ROUTES:
         if route.method == "GET":
@@ -200,6 +207,7 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[COUNTERS] = connect_redis(counters_url, timeout_s=1.0) \
             if counters_url != redis_url else app[REDIS]
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
+        app[TASKS] = TaskStore(app[REDIS])
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
         app[LEDGER] = Ledger(app[REDIS])
         app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
@@ -257,6 +265,26 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             await stop_task(task)
         await session.close()
+
+
+# What a queued task's `route` names: the request paths a task can run (proxy.tasks.run).
+RUNNABLE: dict[str, Runnable] = {
+    **{family.name: family for family in (TTS, ASR, IMAGE, VIDEO)},
+    **{f"chat:{style.name}": style for style in (_OPENAI, _SERVED, _ANTHROPIC, _OLLAMA)},
+}
+
+
+async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Every worker runs queued tasks (once upstreams exist); stopping leaves its unfinished
+    ones pending, for another worker to claim."""
+    policy = app[CONFIG].policies.requests.tasks
+    runner = TaskRunner(app[REDIS], app[TASKS],
+                        lambda account, task_id: run_task(app, RUNNABLE, account, task_id),
+                        concurrency=policy.runners_per_worker, claim_idle_s=policy.claim_idle_s)
+    loop = asyncio.create_task(runner.run())
+    yield
+    await stop_task(loop)
+    await runner.close()
 
 
 async def sweep_holds(app: web.Application) -> None:

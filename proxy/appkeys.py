@@ -15,6 +15,7 @@ from proxy.policy.admission import Admitter
 from proxy.reload import LivePolicies
 from proxy.runtime.drain import Drain
 from proxy.styles.base import ChatStyle
+from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher
 from proxy.upstream.pool import Router
@@ -35,6 +36,7 @@ OPENAPI = web.AppKey("openapi", bytes)
 ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")
 DRAIN = web.AppKey("drain", Drain)
 FETCHER = web.AppKey("fetcher", MediaFetcher)  # audio fetched for clients, SSRF rules
+TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue, media
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it

@@ -210,6 +210,21 @@ class GenerationRequestPolicy(_Section, frozen=True):
     max_media_bytes: Bytes = 256 * 1024 * 1024  # largest answer a provider may send
 
 
+class TasksPolicy(_Section, frozen=True):
+    """Async tasks (`async: true`): the queue every worker runs, the results it keeps."""
+
+    # Tasks one account may have submitted and not yet ended; past it, 429.
+    max_open_per_account: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 20
+    # How long a finished task's result (and its media) can be polled.
+    result_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=30 * 86400)] = 86_400
+    # A task whose worker stopped (crashed) is taken over by another after this long.
+    claim_idle_s: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 30.0
+    # Tasks one worker process runs at once.
+    runners_per_worker: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
+    # Longest a task may wait and run before its record expires as lost.
+    max_run_s: Annotated[int, msgspec.Meta(ge=60, le=7 * 86400)] = 3600
+
+
 class RequestsPolicy(_Section, frozen=True):
     """policies/requests.toml: caps on what a request may carry."""
 
@@ -218,6 +233,7 @@ class RequestsPolicy(_Section, frozen=True):
     asr: AsrRequestPolicy = AsrRequestPolicy()
     fetch: FetchPolicy = FetchPolicy()
     generation: GenerationRequestPolicy = GenerationRequestPolicy()
+    tasks: TasksPolicy = TasksPolicy()
 
 
 class KeysPolicy(_Section, frozen=True):

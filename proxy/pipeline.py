@@ -6,6 +6,7 @@
     -> idempotency (409/replay) -> route (503) -> translate -> upstream (502/503/504, one retry
     on another backend before the client's first byte) -> relay (JSON, or a stream event by
     event) -> meter + settle (queued, exactly once)
+    (`async: true`: after admission the request becomes a task, 202; proxy.tasks runs the rest)
 
 The completion cap the hold assumes (the client's, else the tier's, else `default_max_tokens`)
 is what the upstream gets, bounded by the context its engines report (`Pool.context_limit`,
@@ -49,13 +50,14 @@ from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.meter import Meter, Result, Stage, open_chat_meter, open_meter
 from proxy.credits.pricing import Units, format_credits, units_cost
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
-from proxy.families.handlers import Family, TaskResult
+from proxy.families.handlers import Ctx, Family, TaskResult
 from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
 from proxy.outcome import Outcome
 from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, completion_cap, tier_of
 from proxy.styles.base import ChatCall, ChatStyle
+from proxy.tasks.submit import submit
 from proxy.upstream import wire
 from proxy.upstream.client import UpstreamFailure, read_answer
 from proxy.upstream.pool import Backend, Pool
@@ -93,7 +95,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     tier = tier_of(snapshot.policies.tiers, principal.tier)
     try:
         raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
-        call = _parsed(style, parse_json_object(raw))
+        call = parsed_call(style, parse_json_object(raw))
         pool = app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access
         context = pool.context_limit()  # the engines' own limit (read by the prober)
         _check_context(call, context)
@@ -102,9 +104,6 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         mode = _direct_mode(call)
         cap = completion_cap(tier, principal.tier, call.max_tokens)
         claim = idempotency.claim_for(principal.account, style.name, request.headers, raw)
-        if call.async_:
-            raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async chat tasks are not available "
-                               "yet")
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
@@ -126,6 +125,9 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
                 return replay  # the first result again: nothing run, nothing held
             claimed = True  # ours from here, whatever happens to this request
         request[RESPONSE_HEADERS] = (await _admit(request, meter.meter, tier)).headers()
+        if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
+            return await submit(request, meter.meter, route=f"chat:{style.name}", body=raw,
+                                task_id=ids.task_id(mode), mode=mode, cap=cap)
         response = await _forward(request, style, call, cap, pool, mode, request_id, result)
         return response
     except asyncio.CancelledError:
@@ -151,13 +153,12 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     principal = await snapshot.auth.principal(request.headers, request.remote)
     tier = tier_of(policies.tiers, principal.tier)
     try:
-        job = family.parse(await family.read(request, policies), policies, request.match_info)
+        body = await family.read(request, policies)
+        job = family.parse(body, policies, request.match_info)
         pool = family.pool(app[ROUTER], job, policies)  # 404
         check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                      mode="network" if job.mode == "network" else "direct")
         mode = _direct_only(job.mode)
-        if job.async_:
-            raise GatewayError(ErrorKind.NOT_IMPLEMENTED, "async tasks are not available yet")
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
@@ -168,6 +169,9 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     result = TaskResult()
     try:  # entered before the first await that can place a hold
         request[RESPONSE_HEADERS] = (await _admit(request, meter, tier)).headers()
+        if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
+            return await submit(request, meter, route=family.name, body=orjson.dumps(body),
+                                task_id=ids.task_id(mode), mode=mode)
         return await family.run(request, job, pool, result)
     except asyncio.CancelledError:
         result.status = Outcome.CLIENT_GONE
@@ -285,18 +289,43 @@ async def _complete(request: web.Request, style: ChatStyle, call: ChatCall, back
                     upstream: aiohttp.ClientResponse, task_id: str, mode: str,
                     reply_headers: dict[str, str], result: Result) -> web.Response:
     """A whole (non-streamed) answer, read, rendered in the style and sent."""
-    completion = wire.fix_response(await _read_completion(upstream), backend.spec.kind,
-                                   call.model)
-    body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
+    body, usage = await _rendered(style, call, backend, upstream, task_id, mode)
     response = web.Response(body=body, content_type="application/json", headers=reply_headers)
     result.status = Outcome.CLIENT_GONE  # until the answer is out
     await response.prepare(request)
     await response.write_eof()
-    result.status, result.usage = Outcome.COMPLETED, completion.get("usage")
+    result.status, result.usage = Outcome.COMPLETED, usage
     return response
 
 
-def _parsed(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
+async def complete_chat(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, pool: Pool,
+                        mode: str, task_id: str) -> tuple[bytes, dict[str, Any] | None]:
+    """A whole chat answer without a client connection (an async task): the rendered body and
+    the upstream's usage."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json",
+               "X-Request-Id": ctx.request_id}
+
+    def body_for(backend: Backend) -> bytes:
+        return wire.upstream_body(call.openai_body, False, backend.spec.kind, cap)
+
+    async def use(backend: Backend, upstream: aiohttp.ClientResponse
+                  ) -> tuple[bytes, dict[str, Any] | None]:
+        return await _rendered(style, call, backend, upstream, task_id, mode)
+
+    return await ctx.app[UPSTREAMS].call(pool, CHAT_UPSTREAM_PATH, body_for, headers,
+                                         ctx.client_headers, use)
+
+
+async def _rendered(style: ChatStyle, call: ChatCall, backend: Backend,
+                    upstream: aiohttp.ClientResponse, task_id: str, mode: str
+                    ) -> tuple[bytes, dict[str, Any] | None]:
+    completion = wire.fix_response(await _read_completion(upstream), backend.spec.kind,
+                                   call.model)
+    body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
+    return body, completion.get("usage")
+
+
+def parsed_call(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
     try:
         return style.parse(body)
     except RequestInvalid as exc:

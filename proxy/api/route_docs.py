@@ -442,6 +442,42 @@ OPENAI_TRANSCRIPTIONS: Final = _openai_transcription(
     "transcribe", "Speech to text, OpenAI style (`client.audio.transcriptions.create`)")
 OPENAI_TRANSLATIONS: Final = _openai_transcription(
     "translate", "Speech to English text, OpenAI style (`client.audio.translations.create`)")
+class TaskError(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+    status: int
+
+
+class TaskRecord(msgspec.Struct, kw_only=True):
+    """A task as its owner polls it."""
+
+    task_id: str
+    status: Literal["running", "completed", "failed"]
+    result: Annotated[Any, Meta(description="completed: what the synchronous call answers; "
+                                            "audio and video as {media_key, media_url, "
+                                            "content_type, bytes}")] = None
+    error: Annotated[TaskError | None, Meta(description="failed: why")] = None
+    created_at: int
+    updated_at: int
+
+
+TASK: Final = Doc(
+    summary="Poll an async task",
+    description="The task's owner only (anyone else: 404). `running` until it ends: `completed` "
+                "with the result, or `failed` with the error the synchronous call would have "
+                "answered. Results are kept [tasks] result_ttl_s (a day by default).",
+    responses={200: Response("The task", TaskRecord), **errors("gateway", 401, 404, 503)},
+    tags=("tasks",),
+)
+MEDIA: Final = Doc(
+    summary="Fetch the audio (or video) of a finished task",
+    description="The task's owner only (anyone else: 404); `Range: bytes=a-b` answers 206.",
+    responses={200: Response("The media", None, ("audio/wav", "video/x-msvideo")),
+               206: Response("Part of it", None, ("audio/wav", "video/x-msvideo")),
+               416: Response("The range is outside the media", None, TEXT),
+               **errors("gateway", 401, 404, 503)},
+    tags=("tasks",),
+)
 TTS_PRESETS: Final = Doc(
     summary="List voice presets",
     description="The names `preset_voice` takes; open to guests and keys alike.",

@@ -45,6 +45,7 @@ class Stage(enum.Enum):
     ADMITTING = enum.auto()  # asked, answer unknown (cancelled, store unreachable): may exist
     ADMITTED = enum.auto()  # held (a guest: counted)
     REFUSED = enum.auto()  # 429 / 402: nothing held
+    HANDED_OFF = enum.auto()  # an async task took the hold over: its runner settles it
 
 
 @dataclass(slots=True)
@@ -68,8 +69,8 @@ class Meter:
         if self._settled:
             return
         self._settled = True
-        if self.stage in (Stage.BEFORE, Stage.REFUSED):
-            return  # nothing held, nothing used
+        if self.stage in (Stage.BEFORE, Stage.REFUSED, Stage.HANDED_OFF):
+            return  # nothing held, nothing used (or not ours to end)
         if self.hold is None and self.stage is not Stage.ADMITTED:
             return  # a guest that was not admitted used nothing
         entry = {**self.details, **units, **details, "price": cost,

@@ -1,0 +1,75 @@
+"""Polling async tasks and fetching their media, by their owner only.
+
+    GET /v2/tasks/{task_id}          {task_id, status, result | error, created_at, updated_at}
+    GET /v2/audio/media/{media_key}  the audio (or video) a finished task produced; Range works
+
+Both look under the caller's own account (proxy.tasks.store): another account's task or media,
+and an expired one, are a plain 404. A credential that is present must be valid; guests see
+their own (by client address). Not counted against the rate limit: polling is expected.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from proxy.appkeys import LIVE, TASKS
+from proxy.errors import ErrorKind, GatewayError, store_unavailable
+from proxy.tasks.spec import poll_answer
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+async def _owner(request: web.Request) -> str:
+    snapshot = request.app[LIVE].current
+    return (await snapshot.auth.principal(request.headers, request.remote)).account
+
+
+async def poll(request: web.Request) -> web.Response:
+    account = await _owner(request)
+    task_id = request.match_info["task_id"]
+    try:
+        record = await request.app[TASKS].record(account, task_id)
+    except RedisError:
+        raise store_unavailable("task store") from None
+    if record is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, "no such task (or it has expired)")
+    return web.Response(body=orjson.dumps(poll_answer(task_id, record)),
+                        content_type="application/json")
+
+
+async def media(request: web.Request) -> web.Response:
+    account = await _owner(request)
+    try:
+        found = await request.app[TASKS].media(account, request.match_info["media_key"])
+    except RedisError:
+        raise store_unavailable("task store") from None
+    if found is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, "no such media (or it has expired)")
+    content_type, data = found
+    headers = {"Content-Type": content_type, "Accept-Ranges": "bytes"}
+    wanted = request.headers.get("Range")
+    if wanted is None:
+        return web.Response(body=data, headers=headers)
+    span = _span(wanted, len(data))
+    if span is None:
+        return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}"})
+    start, end = span
+    return web.Response(status=206, body=data[start:end + 1], headers={
+        **headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"})
+
+
+def _span(header: str, size: int) -> tuple[int, int] | None:
+    """One `bytes=a-b`, `bytes=a-` or `bytes=-n` range within `size` bytes; None if unsatisfiable
+    (several ranges are answered with the first)."""
+    match = _RANGE.fullmatch(header.split(",")[0].strip())
+    if match is None or (not match[1] and not match[2]) or size == 0:
+        return None
+    if not match[1]:  # the last n bytes
+        return max(0, size - int(match[2])), size - 1
+    start = int(match[1])
+    end = min(int(match[2]), size - 1) if match[2] else size - 1
+    return (start, end) if start <= end else None

@@ -83,7 +83,6 @@ async def test_openai_client_raises_unprocessable_entity(setup: Any) -> None:
 @pytest.mark.parametrize(("body", "status", "kind"), [
     ({"model": "acme/nope", "messages": HELLO}, 404, "not_found"),
     ({"model": MODEL, "messages": HELLO, "mode": "network"}, 404, "not_found"),
-    ({"model": MODEL, "messages": HELLO, "async": True}, 501, "not_implemented"),
 ])
 async def test_route_level_refusals(setup: Any, body: dict[str, Any], status: int, kind: str
                                     ) -> None:

@@ -250,7 +250,9 @@ _CHAT_HEADERS: Final[Params] = (
                      "Retrying with the same key and body replays the first answer, charged "
                      "once; another body under the same key is refused (422)")),
 )
-_CHAT_ERRORS: Final = (400, 401, 402, 403, 404, 409, 413, 415, 422, 429, 501, 502, 503, 504)
+_CHAT_ERRORS: Final = (400, 401, 402, 403, 404, 409, 413, 415, 422, 429, 502, 503, 504)
+_ASYNC: Final = {202: Response("Async task accepted (`async: true`): poll `poll_url`",
+                               AsyncAccepted)}
 _INTEGERS: Final = ("An integer may be written 1.0 (JSON has one number); it is sent on as 1. "
                     "Integers without a bound of their own are 64-bit.")
 
@@ -300,15 +302,16 @@ COMPAT_CHAT: Final = _chat(
     "Chat completion (OpenAI-compatible)",
     "With `stream: true` (direct mode only, not with `async`) the answer is a Server-Sent "
     "Events stream of `data: <json chunk>` lines ending with `data: [DONE]`. With `async: true` "
-    "a task handle is returned (202) once async tasks exist; until then the answer is 501.",
+    "a task handle is returned (202); `GET /v2/tasks/{task_id}` gives the completion.",
     ChatRequest, "gateway", (JSON, SSE), {"model": EXAMPLE_MODEL, "messages": _HELLO},
-    extra={202: Response("Async task accepted (`async: true`)", AsyncAccepted)},
+    extra=_ASYNC,
 )
 SERVED_CHAT: Final = _chat(
     "Chat completion, vLLM style (OpenAI fields plus vLLM's extensions)",
     "The compat request plus vLLM's sampling, template and structured-output fields; they "
     "reach vLLM backends only. Streams as the compat route does.",
     ServedChatRequest, "gateway", (JSON, SSE), {"model": EXAMPLE_MODEL, "messages": _HELLO},
+    extra=_ASYNC,
 )
 MESSAGES_CHAT: Final = _chat(
     "Chat, Anthropic Messages style",
@@ -316,7 +319,7 @@ MESSAGES_CHAT: Final = _chat(
     "named-event sequence. Errors use Anthropic's shape.",
     MessagesRequest, "anthropic", (JSON, SSE),
     {"model": EXAMPLE_MODEL, "max_tokens": 64, "messages": _HELLO}, ok_body=AnthropicMessage,
-    event=ANTHROPIC_EVENT,
+    event=ANTHROPIC_EVENT, extra=_ASYNC,
 )
 NATIVE_CHAT: Final = _chat(
     "Chat, Ollama style (also at /api/native/chat)",
@@ -333,17 +336,18 @@ MODELS: Final = Doc(
     responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
     tags=("models",),
 )
-_TASK_ERRORS: Final = (400, 401, 402, 403, 404, 413, 415, 429, 501, 502, 503, 504)
+_TASK_ERRORS: Final = (400, 401, 402, 403, 404, 413, 415, 429, 502, 503, 504)
 _TASK_HEADERS: Final = {"X-Task-Id": TASK_ID, **RATE_LIMIT}
 
 
 def _task(summary: str, description: str, ok: Response, request: object,
-          example: JSONObject | None, tag: str) -> Doc:
+          example: JSONObject | None, tag: str, *, async_ok: bool = True) -> Doc:
     return Doc(
         summary=summary, description=description, request=request, example=example,
         tags=(tag,),
         responses={
             200: ok,
+            **(_ASYNC if async_ok else {}),
             **errors("gateway", *_TASK_ERRORS),
             422: error("gateway", 422, "Schema or usage-rule failure (validation_error), "
                                        "every fault listed"),
@@ -357,8 +361,8 @@ TTS: Final = _task(
     "sample itself, from public http(s) hosts only) or, with neither, a random preset (named in "
     "`X-Voice`). The answer is a WAV file: 16-bit PCM, mono, 24 kHz, whatever rate the model "
     "server used; a text longer than the server takes at once is spoken in pieces, split "
-    "between sentences, and joined. Charged per character of `text`. `async: true` answers "
-    "501 until async tasks exist.",
+    "between sentences, and joined. Charged per character of `text`. With `async: true` "
+    "(202) the finished task's result names the audio: `GET /v2/audio/media/{media_key}`.",
     Response("The speech, as WAV", None, "audio/wav",
              {**_TASK_HEADERS, "X-Voice": Header("The preset spoken with, or `custom`")}),
     TtsRequest, {"text": "Hello there.", "preset_voice": "Alice"}, "audio",
@@ -399,7 +403,7 @@ OPENAI_SPEECH: Final = _task(
     Response("The speech", None, ("audio/wav", "audio/pcm"),
              {**_TASK_HEADERS, "X-Voice": Header("The preset spoken with")}),
     SpeechRequest, {"model": "acme/csm-1b", "input": "Hello there.", "voice": "alice"},
-    "audio",
+    "audio", async_ok=False,
 )
 
 

@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Meta
 
 from proxy.media.visual import NotMedia, probe_video
-from proxy.validate import ErrorItem, validate_with
+from proxy.validate import ErrorItem, conform_with
 
 GATEWAY_FIELDS = ("mode", "async")
 # Schema bounds: the hard limits of requests.toml; the served OpenAPI document states the
@@ -54,24 +54,27 @@ class VideoRequest(_Generation, kw_only=True, omit_defaults=True):
     duration: Annotated[Seconds | None, Meta(description="Another name for seconds")] = None
 
 
-def parse_image(body: object, max_images: int) -> ImageRequest:
+def parse_image(body: dict[str, Any], max_images: int
+                ) -> tuple[ImageRequest, dict[str, Any]]:
+    """The request and the body to send on (1.0 where an integer is due sent as 1)."""
     def rules(req: ImageRequest) -> list[ErrorItem]:
         if req.n is not None and req.n > max_images:
             return [{"loc": ["body", "n"], "type": "less_than_equal",
                      "msg": f"Input should be less than or equal to {max_images}"}]
         return []
 
-    return validate_with(body, ImageRequest, rules)
+    return conform_with(body, ImageRequest, rules)
 
 
-def parse_video(body: object, max_seconds: int) -> VideoRequest:
+def parse_video(body: dict[str, Any], max_seconds: int
+                ) -> tuple[VideoRequest, dict[str, Any]]:
     def rules(req: VideoRequest) -> list[ErrorItem]:
         return [{"loc": ["body", name], "type": "less_than_equal",
                  "msg": f"Input should be less than or equal to {max_seconds}"}
                 for name in ("seconds", "duration")
                 if (value := getattr(req, name)) is not None and value > max_seconds]
 
-    return validate_with(body, VideoRequest, rules)
+    return conform_with(body, VideoRequest, rules)
 
 
 def video_seconds_asked(req: VideoRequest, max_seconds: int) -> int:

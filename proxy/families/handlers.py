@@ -121,6 +121,7 @@ class Family(abc.ABC):
                   ) -> web.StreamResponse:
         """Produce the answer and send it; it is charged once it is out (or the client left
         while it went)."""
+        result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
         answer = await self.produce(Ctx.of(request), job, pool)
         headers = {**_reply_headers(request), **answer.headers,
                    "Content-Type": answer.content_type}
@@ -357,18 +358,15 @@ class Generation(Family):
 
     def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         limits = policies.requests.generation
+        req: generation.ImageRequest | generation.VideoRequest
         if self.name == "image":
-            image: generation.ImageRequest = _parsed(generation.parse_image, body,
-                                                     limits.max_images)
-            req: generation.ImageRequest | generation.VideoRequest = image
-            worst = Units(images=image.n or 1)
+            image, sent = _parsed(generation.parse_image, body, limits.max_images)
+            req, worst = image, Units(images=image.n or 1)
         else:
-            video: generation.VideoRequest = _parsed(generation.parse_video, body,
-                                                     limits.max_video_s)
-            req = video
-            worst = Units(video_ms=generation.video_seconds_asked(video, limits.max_video_s)
-                          * 1000)
-        return Job(generation.forwarded(body), req.model, req.mode or "auto", bool(req.async_),
+            video, sent = _parsed(generation.parse_video, body, limits.max_video_s)
+            seconds = generation.video_seconds_asked(video, limits.max_video_s)
+            req, worst = video, Units(video_ms=seconds * 1000)
+        return Job(generation.forwarded(sent), req.model, req.mode or "auto", bool(req.async_),
                    worst, params["provider"])
 
     def pool(self, router: Router, job: Job, policies: Policies) -> Pool:

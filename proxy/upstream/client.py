@@ -20,6 +20,7 @@ went away) count as neither.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -137,7 +138,8 @@ class Upstreams:
         try:
             try:
                 response = await self.session.post(
-                    backend.url(path), data=body, headers=headers, allow_redirects=False
+                    backend.url(path), data=_payload(body), headers=headers,
+                    allow_redirects=False,
                 )
             except aiohttp.ClientConnectorError:
                 _failed(backend)
@@ -194,6 +196,14 @@ class Upstreams:
                 response.release()
         finally:
             backend.outstanding -= 1
+
+
+_LARGE_BODY = 1024 * 1024  # aiohttp writes bigger raw bytes in one go, blocking the loop
+
+
+def _payload(body: bytes) -> bytes | io.BytesIO:
+    """A body as aiohttp should send it: a big one (an audio upload) in chunks."""
+    return io.BytesIO(body) if len(body) > _LARGE_BODY else body
 
 
 async def read_answer(upstream: aiohttp.ClientResponse, cap: int) -> bytes:

@@ -173,7 +173,7 @@ def test_ollama_schema_and_validator_agree(case: str, fields: dict[str, Any],
 ERRORS = [GatewayError(ErrorKind.INVALID_API_KEY, "bad key"),
           GatewayError(ErrorKind.INVALID_JSON, "not JSON"),
           GatewayError(ErrorKind.RATE_LIMITED, "slow down", headers={"Retry-After": "1"}),
-          GatewayError(ErrorKind.NOT_IMPLEMENTED, "later"),
+          GatewayError(ErrorKind.UPSTREAM_ERROR, "the model server failed"),
           validation_failed([{"loc": ["body", "model"], "msg": "Field required",
                               "type": "missing"}])]
 FAMILIES: list[tuple[str, ChatStyle]] = [

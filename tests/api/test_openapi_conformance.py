@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,22 @@ def statuses(report: Path) -> Counter[tuple[str, str, int]]:
     return seen
 
 
+def finished_speech_task(base: str, key: str) -> tuple[str, str]:
+    """An async TTS task of the run's account, finished: its id and its audio's media key."""
+    accepted = httpx.post(f"{base}/v2/audio/tts/engine", headers={"X-API-Key": key},
+                          json={"text": "Kept for polling.", "async": True}, timeout=10)
+    assert accepted.status_code == 202, accepted.text
+    task_id = accepted.json()["task_id"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        record = httpx.get(f"{base}/v2/tasks/{task_id}", headers={"X-API-Key": key},
+                           timeout=10).json()
+        if record["status"] == "completed":
+            return task_id, record["result"]["media_key"]
+        time.sleep(0.1)
+    raise AssertionError(f"the task did not finish: {record}")
+
+
 @pytest.mark.timeout(600)
 def test_schemathesis_all_checks_every_operation(stack: Stack, tmp_path: Path) -> None:
     key = stack.cli("keys", "create", "--account", "conformance", "--tier", "max").split()[0]
@@ -123,8 +140,10 @@ def test_schemathesis_all_checks_every_operation(stack: Stack, tmp_path: Path) -
     account = httpx.get(f"{stack.base}/v2/account", headers={"X-API-Key": key}, timeout=10)
     assert account.status_code == 200, account.text
     reports = tmp_path / "reports"
+    task_id, media_key = finished_speech_task(stack.base, key)
     env = {**stack.env, "ST_API_KEY": key, "ST_KEY_ID": account.json()["key_id"],
-           "ST_ADMIN_TOKEN": stack.env["GATEWAY_ADMIN_TOKEN"]}
+           "ST_ADMIN_TOKEN": stack.env["GATEWAY_ADMIN_TOKEN"], "ST_TASK_ID": task_id,
+           "ST_MEDIA_KEY": media_key}
     run = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "--config-file", str(HERE / "schemathesis.toml"),
          "run", f"{stack.base}/v2/openapi.json", "--checks", "all", "--seed", str(SEED),

@@ -83,7 +83,6 @@ async def test_video_is_charged_by_the_seconds_delivered(media: MediaFactory) ->
     (IMAGE, {"prompt": "x", "model": 3}, 422),
     (IMAGE, {"prompt": "x", "mode": "fast"}, 422),
     (IMAGE, {"prompt": "x", "async": "yes"}, 422),
-    (IMAGE, {"prompt": "x", "async": True}, 501),
     (IMAGE, {"prompt": "x", "mode": "network"}, 404),
     (IMAGE, {"prompt": "x", "model": VIDEO_MODEL}, 404),  # not this provider's
     ("/v2/image/nobody/generate", {"prompt": "x"}, 404),

@@ -160,10 +160,9 @@ async def test_every_bound_and_enum_is_422_and_reaches_nothing(
     ({"text": "x", "model": "acme/nope"}, 404),
     ({"text": "x", "model": "acme/large-v3"}, 404),  # an ASR model
     ({"text": "x", "mode": "network"}, 404),  # no network pools yet
-    ({"text": "x", "async": True}, 501),
     ({"text": "x" * 50, "preset_voice": "Matt"}, 200),  # at the policy's bound
 ])
-async def test_models_modes_and_async(media: MediaFactory, body: dict[str, Any],
+async def test_models_and_modes(media: MediaFactory, body: dict[str, Any],
                                       status: int) -> None:
     m = await media(requests_toml="[tts]\nmax_characters = 50\n")
     got, _, raw = await m.post(TTS, body)

@@ -20,17 +20,19 @@ def broken_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_a_failed_install_says_why(broken_cache: Path) -> None:
+@pytest.mark.parametrize("script", [engines.CHAT_SCRIPT, engines.WHISPER_SCRIPT])
+def test_a_failed_install_says_why(broken_cache: Path, script: str) -> None:
     log = broken_cache / "prepare.log"
     with pytest.raises(engines.EngineSetupError) as failed:
-        engines.prepare(log)
+        engines.prepare(log, script)
     message = str(failed.value)
     assert "installing vLLM or building the tiny model failed" in message
     assert "/nonexistent/python3.11" in message  # the log's tail: the reason itself
 
 
-def test_a_replica_that_exits_while_starting_says_why(broken_cache: Path) -> None:
-    replica = engines.Replica("r", free_port(), 0, broken_cache / "r.log")
+@pytest.mark.parametrize("script", [engines.CHAT_SCRIPT, engines.WHISPER_SCRIPT])
+def test_a_replica_that_exits_while_starting_says_why(broken_cache: Path, script: str) -> None:
+    replica = engines.Replica("r", free_port(), 0, broken_cache / "r.log", script=script)
     replica.start()
     try:
         deadline = time.monotonic() + 60

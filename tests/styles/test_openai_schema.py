@@ -367,7 +367,7 @@ def test_openapi_chat_schema_carries_the_spec_bounds() -> None:
         "$ref": "#/components/schemas/ChatRequest"}
     responses = post["responses"]
     assert set(responses) == {"200", "202", "400", "401", "402", "403", "404", "409", "413",
-                              "415", "422", "429", "501", "502", "503", "504"}
+                              "415", "422", "429", "502", "503", "504"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert responses["422"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ValidationErrorBody")

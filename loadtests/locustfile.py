@@ -1,4 +1,5 @@
-"""Locust scenarios: steady chat, non-streaming and streaming, with a verdict at the end.
+"""Locust scenarios: steady chat, non-streaming, streaming and async (submit and poll), with a
+verdict at the end.
 
     locust -f loadtests/locustfile.py --host http://127.0.0.1:8080                  # the gateway
     locust -f loadtests/locustfile.py --host http://127.0.0.1:8081 --target direct  # a simulator
@@ -24,6 +25,7 @@ from typing import Any
 import orjson
 from locust import FastHttpUser, between, events, task
 from locust.env import Environment
+from locust.exception import StopUser
 from locust.runners import WorkerRunner
 
 # locust puts only this file's folder on sys.path; the shared checks live in the package.
@@ -119,6 +121,48 @@ class StreamingChatUser(_Chat):
                 request_type=TTFT_TYPE, name="time to first token", response_time=ttft_ms,
                 response_length=0, exception=None, context={},
             )
+
+
+class AsyncTaskUser(_Chat):
+    """Async chat (`async: true`): submit, then poll `poll_url` until the task ends. Reports
+    "async submit" (the 202) and "async task" (submission to completion, polls included).
+    Gateway only: a direct upstream has no tasks."""
+
+    weight = 1
+
+    def on_start(self) -> None:
+        super().on_start()
+        if self.path != PATHS["gateway"]:
+            raise StopUser()
+        self.body = orjson.dumps({**orjson.loads(self.body), "stream": False,
+                                  "async": True}).decode()
+
+    @task
+    def submit_and_poll(self) -> None:
+        start = time.perf_counter()
+        with self.client.post(self.path, data=self.body, headers=self.headers,
+                              name="async submit", catch_response=True) as resp:
+            if resp.status_code != 202:
+                resp.failure(f"HTTP {resp.status_code}")
+                return
+            poll = orjson.loads(resp.content or b"{}").get("poll_url", "")
+        deadline = start + 60
+        status = "running"
+        while status == "running" and time.perf_counter() < deadline:
+            time.sleep(0.1)
+            with self.client.get(poll, headers=self.headers, name="async poll",
+                                 catch_response=True) as resp:
+                if resp.status_code != 200:
+                    resp.failure(f"HTTP {resp.status_code}")
+                    return
+                record = orjson.loads(resp.content or b"{}")
+                status = record.get("status", "")
+        failed = status != "completed" or completion_problem(
+            200, orjson.dumps(record.get("result"))) is not None
+        self.environment.events.request.fire(
+            request_type="TASK", name="async task",
+            response_time=(time.perf_counter() - start) * 1000, response_length=0,
+            exception=RuntimeError(f"task ended {status}") if failed else None, context={})
 
 
 @events.quitting.add_listener  # type: ignore[untyped-decorator]

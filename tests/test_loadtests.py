@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -26,6 +28,8 @@ from aiohttp.test_utils import TestServer
 from loadtests import loadgen, mock, report
 from loadtests.checks import StreamCheck, completion_problem
 from loadtests.servers import Server, free_port, nginx_args, nginx_binary, wait_ready
+from tests.conftest import GENEROUS_TIERS, MODEL, write_config
+from tests.runtime.test_serve_cli import wait_until_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADED = ("throughput", "stream", "open_loop")
@@ -213,3 +217,41 @@ def test_locustfile_loads_without_starting_a_run() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ChatUser" in result.stdout
     assert "StreamingChatUser" in result.stdout
+    assert "AsyncTaskUser" in result.stdout
+
+
+def test_locust_async_scenario_runs_against_a_gateway(tmp_path: Path) -> None:
+    """The async scenario for real: a `serve` in front of a simulator, locust headless for a few
+    seconds with AsyncTaskUser only; its verdict (exit code) passes and tasks completed."""
+    sim_port, gw_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GATEWAY_ADMIN_TOKEN": secrets.token_hex(8)}
+    env.pop("GATEWAY_REDIS_URL", None)
+    folder = write_config(
+        tmp_path / "config",
+        [{"name": "chat-a", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}",
+          "models": [MODEL]}],
+        gateway={"port": gw_port, "data_dir": str(tmp_path / "data"), "workers": 1},
+        policies={"tiers.toml": GENEROUS_TIERS})
+    sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
+                            str(sim_port), "--model", MODEL], env=env)
+    gateway = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config",
+                                str(folder)], env=env)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
+        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway)
+        key = subprocess.run([sys.executable, "-m", "proxy", "keys", "create", "--account",
+                              "load", "--tier", "max", "--config", str(folder)], env=env,
+                             capture_output=True, text=True, check=True).stdout.split()[0]
+        run = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", "loadtests/locustfile.py", "AsyncTaskUser",
+             "--headless", "-u", "4", "-r", "4", "-t", "4s", "--host",
+             f"http://127.0.0.1:{gw_port}", "--api-key", key, "--csv", str(tmp_path / "run")],
+            cwd=ROOT, capture_output=True, text=True, timeout=90, env=env, check=False)
+        assert run.returncode == 0, run.stderr[-3000:]
+        stats = (tmp_path / "run_stats.csv").read_text()
+        tasks = next(line for line in stats.splitlines() if ",async task," in line).split(",")
+        assert int(tasks[2]) > 0 and int(tasks[3]) == 0  # requests, failures
+    finally:
+        for proc in (gateway, sim):
+            proc.terminate()
+            proc.wait(15)

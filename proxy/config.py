@@ -22,6 +22,9 @@ from proxy.validate import RequestInvalid, validate
 BackendKind = Literal["tgi", "vllm", "openai", "ollama", "whisper", "tts", "image", "video"]
 
 Family = Literal["chat", "tts", "asr", "image", "video"]
+# How a request is run (DESIGN §6 "Modes"): on one backend of the model's direct pool, or
+# redundantly on several of its network pool, the answer a quorum agrees on returned.
+Mode = Literal["direct", "network"]
 
 # Backend kinds that serve OpenAI-compatible `/v1/chat/completions` (vLLM, TGI's Messages API,
 # OpenAI itself, Ollama's OpenAI dialect).
@@ -36,6 +39,10 @@ VOICE_PRESETS = ("Alice", "Avery", "Brock", "Chloe", "Ella", "Emma", "Grace", "K
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+def _direct_only() -> list[Mode]:
+    return ["direct"]
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -105,6 +112,11 @@ class BackendSpec(_Section, frozen=True):
     url: NonEmpty
     models: Annotated[list[NonEmpty], msgspec.Meta(min_length=1)]
     max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
+    # The pools this backend is in: "direct" (one backend answers) and/or "network" (the request
+    # runs on several backends of the network pool and a quorum must agree); a backend may be in
+    # both. Network replicas must answer alike, so list only servers of the same weights there.
+    modes: Annotated[list[Mode], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=_direct_only)
     weight: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Client headers passed upstream as they are: exact names or prefixes ending in `*`
     # (the simulators read `x-sim-*` fault headers). Nothing else from the client goes upstream.
@@ -225,6 +237,26 @@ class TasksPolicy(_Section, frozen=True):
     max_run_s: Annotated[int, msgspec.Meta(ge=60, le=7 * 86400)] = 3600
 
 
+Replicas = Annotated[int, msgspec.Meta(ge=2, le=9)]
+
+
+class NetworkPolicy(_Section, frozen=True):
+    """Network mode (DESIGN §6): each request runs on `replicas` distinct backends of the
+    model's network pool, and an answer counts only when `quorum` of them agree on it."""
+
+    # Backends one request runs on; the network pool needs at least this many (check-config).
+    replicas: Replicas = 2
+    # Identical answers needed; unset: a majority (replicas // 2 + 1). At most `replicas`.
+    quorum: Annotated[int, msgspec.Meta(ge=1, le=9)] | None = None
+    # Sent as `seed` to chat backends, so sampling replicas can agree at any temperature.
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+
+    @property
+    def needed(self) -> int:
+        """The quorum in force: `quorum`, or a majority of `replicas`."""
+        return self.quorum if self.quorum is not None else self.replicas // 2 + 1
+
+
 class RequestsPolicy(_Section, frozen=True):
     """policies/requests.toml: caps on what a request may carry."""
 
@@ -234,6 +266,7 @@ class RequestsPolicy(_Section, frozen=True):
     fetch: FetchPolicy = FetchPolicy()
     generation: GenerationRequestPolicy = GenerationRequestPolicy()
     tasks: TasksPolicy = TasksPolicy()
+    network: NetworkPolicy = NetworkPolicy()
 
 
 class KeysPolicy(_Section, frozen=True):
@@ -278,7 +311,6 @@ class AuthPolicy(_Section, frozen=True):
     clients: ClientsPolicy = ClientsPolicy()
 
 
-Mode = Literal["direct", "network"]
 PerMinute = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 STANDARD_GROUP = "standard"  # the group of every model no `[groups]` entry names
 ANY_GROUP = "*"
@@ -449,6 +481,10 @@ def load_config(folder: str | Path = ".") -> Config:
         problems.extend(_check_tiers(policies["tiers"]))
     if "requests" in policies:
         problems.extend(_check_networks(policies["requests"].fetch))
+        problems.extend(_check_network_mode(policies["requests"].network))
+    if backends is not None:
+        problems.extend(_check_network_pools(
+            backends.backends, policies.get("requests", RequestsPolicy()).network))
     if "auth" in policies:
         from proxy.identity.jwt import check_jwt_policy  # it imports this module
 
@@ -522,10 +558,20 @@ def _check_backends(file: BackendsFile) -> list[str]:
             if preset not in VOICE_PRESETS:
                 problems.append(f"{where}.voices: {preset!r} is not a preset "
                                 f"({', '.join(VOICE_PRESETS)})")
+        problems.extend(_check_modes(backend, where))
         if backend.health_path and not backend.health_path.startswith("/"):
             problems.append(f"{where}.health_path: must start with '/' (or be \"\" for none)")
         problems.extend(_check_supervised(backend, where))
     problems.extend(_check_fleet_sections(file))
+    return problems
+
+
+def _check_modes(backend: BackendSpec, where: str) -> list[str]:
+    problems = []
+    if len(set(backend.modes)) != len(backend.modes):
+        problems.append(f"{where}.modes: lists a mode twice")
+    if "network" in backend.modes and FAMILY_OF_KIND[backend.kind] == "asr":
+        problems.append(f"{where}.modes: speech recognition is direct-only (DESIGN §6)")
     return problems
 
 
@@ -562,6 +608,25 @@ def _check_fleet_sections(file: BackendsFile) -> list[str]:
         started.setdefault(address, backend.name)
     return problems
 
+
+def _check_network_mode(network: NetworkPolicy) -> list[str]:
+    if network.quorum is not None and network.quorum > network.replicas:
+        return [f"policies/requests.toml: network.quorum: must not exceed network.replicas "
+                f"({network.quorum} > {network.replicas}): no answer could ever be agreed"]
+    return []
+
+
+def _check_network_pools(specs: list[BackendSpec], network: NetworkPolicy) -> list[str]:
+    """A network pool smaller than `replicas` could never run a request: every one would 503."""
+    serving: dict[str, list[str]] = {}
+    for spec in specs:
+        if "network" in spec.modes:
+            for model in spec.models:
+                serving.setdefault(model, []).append(spec.name)
+    return [f"backends.toml: model {model!r} is offered in network mode by {len(names)} "
+            f"backend(s) ({', '.join(names)}), fewer than policies/requests.toml "
+            f"network.replicas ({network.replicas})"
+            for model, names in serving.items() if len(names) < network.replicas]
 
 
 def _check_request_life(upstream: UpstreamSection, prices: PricesPolicy) -> list[str]:

@@ -121,3 +121,101 @@ def test_server_section_defaults_and_strictness(tmp_path: Path) -> None:
     assert "backends.toml: server.keepalive_s: Extra inputs are not permitted" in text
     assert "backends.toml: server.header_timeout_s: Input should be greater than 0" in text
     assert "backends.toml: server.max_connections: Input should be a valid integer" in text
+
+
+NETWORK = """
+[[backends]]
+name = "big-a"
+kind = "vllm"
+url = "http://127.0.0.1:8086"
+models = ["acme/gpt-oss-120b"]
+modes = ["direct", "network"]
+
+[[backends]]
+name = "big-b"
+kind = "vllm"
+url = "http://127.0.0.1:8087"
+models = ["acme/gpt-oss-120b"]
+modes = ["network"]
+"""
+
+
+def problems_of(folder: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(folder)
+    return "\n".join(caught.value.problems)
+
+
+def test_backend_modes_and_network_policy(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path / "ok", MINIMAL + NETWORK))
+    assert [b.modes for b in config.backends] == [["direct"], ["direct", "network"], ["network"]]
+    network = config.policies.requests.network
+    assert (network.replicas, network.quorum, network.seed, network.needed) == (2, None, 0, 2)
+    tuned = load_config(write(tmp_path / "tuned", MINIMAL + NETWORK,
+                              requests="[network]\nreplicas = 2\nquorum = 1\nseed = 42\n"))
+    assert tuned.policies.requests.network.needed == 1
+    assert tuned.policies.requests.network.seed == 42
+    third = NETWORK.split("[[backends]]")[2].replace("big-b", "big-c").replace("8087", "8088")
+    three = load_config(write(tmp_path / "three", MINIMAL + NETWORK + "[[backends]]" + third,
+                              requests="[network]\nreplicas = 3\n"))
+    assert three.policies.requests.network.needed == 2  # a majority of 3
+
+
+def test_backend_modes_are_checked(tmp_path: Path) -> None:
+    schema = MINIMAL.replace('models = ["acme/small-chat"]',
+                             'models = ["acme/small-chat"]\nmodes = []') + """
+[[backends]]
+name = "odd"
+kind = "vllm"
+url = "http://127.0.0.1:9002"
+models = ["m"]
+modes = ["broadcast"]
+"""
+    text = problems_of(write(tmp_path / "schema", schema))
+    assert "backends.toml: backends[0].modes: List should have at least 1 item" in text
+    assert "backends.toml: backends[1].modes[0]: Input should be 'direct' or 'network'" in text
+    rules = MINIMAL + """
+[[backends]]
+name = "dup"
+kind = "vllm"
+url = "http://127.0.0.1:9001"
+models = ["m"]
+modes = ["direct", "direct"]
+
+[[backends]]
+name = "asr"
+kind = "whisper"
+url = "http://127.0.0.1:9003"
+models = ["w"]
+modes = ["direct", "network"]
+"""
+    text = problems_of(write(tmp_path / "rules", rules))
+    assert "backends.toml: backends[1].modes: lists a mode twice" in text
+    assert "backends.toml: backends[2].modes: speech recognition is direct-only" in text
+
+
+def test_network_policy_is_checked(tmp_path: Path) -> None:
+    text = problems_of(write(tmp_path / "quorum", MINIMAL + NETWORK,
+                             requests="[network]\nquorum = 3\n"))
+    assert "policies/requests.toml: network.quorum: must not exceed network.replicas (3 > 2)" \
+        in text
+    text = problems_of(write(tmp_path / "range", MINIMAL,
+                             requests="[network]\nreplicas = 1\nseed = -1\ncount = 2\n"))
+    assert "policies/requests.toml: network.replicas: Input should be greater than or equal " \
+        "to 2" in text
+    assert "policies/requests.toml: network.seed: Input should be greater than or equal" in text
+    assert "policies/requests.toml: network.count: Extra inputs are not permitted" in text
+    # A network pool smaller than `replicas` could never run a request.
+    text = problems_of(write(tmp_path / "small", MINIMAL + NETWORK,
+                             requests="[network]\nreplicas = 3\n"))
+    assert ("backends.toml: model 'acme/gpt-oss-120b' is offered in network mode by 2 "
+            "backend(s) (big-a, big-b), fewer than policies/requests.toml network.replicas (3)"
+            ) in text
+
+
+def test_shipped_config_offers_network_mode() -> None:
+    config = load_config(ROOT)
+    network = [b for b in config.backends if "network" in b.modes]
+    assert len({b.name for b in network}) >= config.policies.requests.network.replicas
+    assert all(b.command for b in network) and {m for b in network for m in b.models} == {
+        "acme/gpt-oss-120b"}

@@ -19,7 +19,7 @@ PURE = [
     "proxy.http.sse", "proxy.errors", "proxy.validate", "proxy.upstream.wire", "proxy.outcome",
     "proxy.ids", "proxy.families.tts", "proxy.families.asr", "proxy.families.generation",
     "proxy.families.languages", "proxy.media.audio", "proxy.media.wav", "proxy.media.containers",
-    "proxy.media.visual",
+    "proxy.media.visual", "proxy.upstream.quorum",
 ]
 IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")
 # The top level holds the entry points, the wiring and the vocabulary every package shares.

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from proxy.runtime.background import stop_task
 from proxy.tasks.store import GROUP, QUEUE, TaskStore
@@ -46,8 +46,9 @@ class TaskRunner:
         self._running: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        """Forever: claim abandoned entries, read new ones, run each in its own task."""
-        await self._ensure_group()
+        """Forever: claim abandoned entries, read new ones, run each in its own task. Until the
+        first task makes the queue and its group (proxy.tasks.store), Redis answers NOGROUP and
+        the loop waits a second: a gateway that never runs a task writes nothing."""
         next_claim = 0.0
         loop = asyncio.get_running_loop()
         while True:
@@ -69,13 +70,6 @@ class TaskRunner:
     async def close(self) -> None:
         for task in list(self._running):
             await stop_task(task)
-
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
 
     async def _read_new(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
         free = self._free()

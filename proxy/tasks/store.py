@@ -28,7 +28,8 @@ QUEUE = "igw:tasks"
 GROUP = "igw-runners"
 
 # Refuse past the cap; else count the task, write its record, and queue it, in one step.
-# KEYS: open counter, task hash, queue stream. ARGV: cap, spec, now, record ttl, account, id.
+# KEYS: open counter, task hash, queue stream. ARGV: cap, spec, now, record ttl, account, id,
+# the consumer group.
 _SUBMIT = """
 local open = tonumber(redis.call('GET', KEYS[1]) or '0')
 if open >= tonumber(ARGV[1]) then return 0 end
@@ -38,6 +39,9 @@ redis.call('HSET', KEYS[2], 'status', 'running', 'spec', ARGV[2], 'created_at', 
            'updated_at', ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('XADD', KEYS[3], '*', 'account', ARGV[5], 'id', ARGV[6])
+-- The runners' group, made with the first task (from the stream's start: nothing is missed);
+-- afterwards this answers BUSYGROUP, which pcall swallows.
+redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[7], '0')
 return 1
 """
 # End a running task once: its outcome, the record's new expiry, one fewer open task.
@@ -79,7 +83,7 @@ class TaskStore:
         done = await self._submit(
             keys=[open_key(spec.account), task_key(spec.account, spec.id), QUEUE],
             args=[max_open, ENCODER.encode(spec), int(time.time()), record_ttl_s, spec.account,
-                  spec.id])
+                  spec.id, GROUP])
         return bool(done)
 
     async def record(self, account: str, task_id: str) -> dict[str, str] | None:

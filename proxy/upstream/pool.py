@@ -10,6 +10,11 @@ Healthy means: the supervisor says `ready` (supervised backends only), and this 
 Outcomes come back through `record_success` / `record_failure` (see `Upstreams.exchange`), and a
 failure asks the prober for a probe at once (`probe_soon`).
 
+Network mode (DESIGN §6) runs a request on several backends at once: `Pool.pick_distinct` gives
+n different ones, the least busy first, or 503 when fewer than n are free. A model's pools are per
+mode: a backend serves the modes its `modes` lists (one pool each), so a model may be offered in
+direct mode, network mode or both.
+
 A backend's context length (`max_model_len` per model) is what its engine reports (vLLM's
 /v1/models, read by the prober in the background); a pool's limit is the least of its backends'.
 """
@@ -23,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from yarl import URL
 
-from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection
+from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection, Mode
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
 from proxy.policy.tiers import FAMILY_NAMES
@@ -31,6 +36,7 @@ from proxy.runtime.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 
 RETRY_AFTER_S = "1"
+MODES: tuple[Mode, ...] = ("direct", "network")
 
 # Kinds whose health endpoint is `/`; others default to `/health`. OpenAI-style hosted APIs have
 # no free health endpoint, so they are not probed unless `health_path` says where.
@@ -141,6 +147,11 @@ class Pool:
         self.model = model
         self.backends = tuple(backends)
 
+    @property
+    def healthy(self) -> bool:
+        """Whether any backend is healthy now (at its cap or not): `auto` mode's test."""
+        return any(b.healthy for b in self.backends)
+
     def context_limit(self) -> int | None:
         """The least context length the pool's engines report for its model (None: unknown)."""
         known = [n for b in self.backends if (n := b.max_model_len.get(self.model)) is not None]
@@ -156,6 +167,23 @@ class Pool:
         first, second = choose(candidates, weights=[b.spec.weight for b in candidates], k=2)
         return first if first.score() <= second.score() else second
 
+    def pick_distinct(self, n: int, rng: random.Random | None = None) -> list[Backend]:
+        """`n` different available backends (healthy, under their cap) for one redundant
+        request, those with the fewest requests in flight per unit of weight first (equal ones
+        in random order); 503 with Retry-After when fewer than `n` are free."""
+        if n < 1:
+            raise ValueError(f"pick_distinct needs n >= 1, got {n}")
+        candidates = [b for b in self.backends if b.available]
+        if len(candidates) < n:
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE,
+                f"model {self.model!r} has fewer than {n} backends free for network mode",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        (rng or random).shuffle(candidates)  # ties broken at random, not by config order
+        candidates.sort(key=Backend.score)  # stable: the shuffle decides among equals
+        return candidates[:n]
+
     def _none_available(self, exclude: Backend | None) -> GatewayError:
         others = [b for b in self.backends if b is not exclude]
         if others and all(b.healthy for b in others):
@@ -170,38 +198,57 @@ class Pool:
 
 
 class Router:
-    """(task family, model name) -> pool, built once from backends.toml; image and video
-    backends are also found by their provider (the `<provider>` of their routes)."""
+    """(task family, model name, mode) -> pool, built once from backends.toml; image and video
+    backends are also found by their provider (the `<provider>` of their routes, direct mode)."""
 
     def __init__(self, specs: Iterable[BackendSpec], health: HealthSection | None = None) -> None:
         self.backends = tuple(Backend(spec, health) for spec in specs)
-        grouped: dict[tuple[str, str], list[Backend]] = {}
+        grouped: dict[tuple[str, str, str], list[Backend]] = {}
         self._providers: dict[tuple[str, str], list[Backend]] = {}
         for backend in self.backends:
             family = FAMILY_OF_KIND[backend.spec.kind]
+            modes = [mode for mode in MODES if mode in backend.spec.modes]  # in MODES' order
             for model in backend.spec.models:
-                grouped.setdefault((family, model), []).append(backend)
-            if family in ("image", "video"):
+                for mode in modes:
+                    grouped.setdefault((family, model, mode), []).append(backend)
+            if family in ("image", "video") and "direct" in modes:
                 provider = backend.spec.provider or backend.name
                 self._providers.setdefault((family, provider), []).append(backend)
         self._pools = {key: Pool(key[1], group) for key, group in grouped.items()}
         for backend in self.backends:  # the ejection cap is counted per pool
             backend.peers = tuple(pool.backends for pool in self._pools.values()
                                   if backend in pool.backends)
-        self._families = {model: family for family, model in self._pools}
+        self._families = {model: family for family, model, _ in self._pools}
+        self._offered = {(family, model) for family, model, _ in self._pools}
+        offered_in: dict[str, set[str]] = {}
+        for _, model, offered in self._pools:
+            offered_in.setdefault(model, set()).add(offered)
+        self._modes = {model: [m for m in MODES if m in modes]
+                       for model, modes in offered_in.items()}
 
     def chat_pool(self, model: str) -> Pool:
         return self.pool("chat", model)
 
-    def pool(self, family: str, model: str) -> Pool:
-        """404 for a model no backend serves, or serves for another task family."""
-        pool = self._pools.get((family, model))
+    def pool(self, family: str, model: str, mode: str = "direct") -> Pool:
+        """404 for a model no backend serves, serves for another task family, or does not
+        offer in `mode`."""
+        pool = self._pools.get((family, model, mode))
         if pool is not None:
             return pool
+        if (family, model) in self._offered:
+            raise GatewayError(ErrorKind.NOT_FOUND,
+                               f"model {model!r} is not offered in {mode} mode")
         if model in self._families:
             raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} is not a "
                                f"{FAMILY_NAMES[family]} model")
         raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} does not exist")
+
+    def has_pool(self, family: str, model: str, mode: str) -> bool:
+        return (family, model, mode) in self._pools
+
+    def modes(self, model: str) -> list[str]:
+        """The modes `model` is offered in, "direct" first; [] for an unknown model."""
+        return list(self._modes.get(model, ()))
 
     def provider_pool(self, family: str, provider: str, model: str | None) -> Pool:
         """The pool of `provider`'s backends serving `model` (default: its first model)."""
@@ -220,7 +267,8 @@ class Router:
         return sorted(p for f, p in self._providers if f == family)
 
     def models(self, family: str) -> list[str]:
-        return sorted(model for f, model in self._pools if f == family)
+        """The family's models, in whatever modes they are offered."""
+        return sorted({model for f, model, _ in self._pools if f == family})
 
     @property
     def chat_models(self) -> list[str]:

@@ -50,17 +50,19 @@ from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.meter import Meter, Result, Stage, open_chat_meter, open_meter
 from proxy.credits.pricing import Units, format_credits, units_cost
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
-from proxy.families.handlers import Ctx, Family, TaskResult
+from proxy.families.handlers import Answer, Ctx, Family, Job, TaskResult
 from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
 from proxy.outcome import Outcome
 from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, completion_cap, tier_of
 from proxy.styles.base import ChatCall, ChatStyle
+from proxy.tasks.network import Agreed, agreed, choose_mode, record
 from proxy.tasks.submit import submit
 from proxy.upstream import wire
 from proxy.upstream.client import UpstreamFailure, read_answer
 from proxy.upstream.pool import Backend, Pool
+from proxy.upstream.quorum import fingerprint
 from proxy.upstream.relay import relay_stream
 from proxy.validate import RequestInvalid
 
@@ -96,12 +98,12 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     try:
         raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
         call = parsed_call(style, parse_json_object(raw))
-        pool = app[ROUTER].chat_pool(call.model)  # 404 for an unknown model, before access
+        mode = choose_mode(app[ROUTER], "chat", call.model, call.mode, stream=call.stream)
+        pool = app[ROUTER].pool("chat", call.model, mode)  # 404, before access
         context = pool.context_limit()  # the engines' own limit (read by the prober)
         _check_context(call, context)
         check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
-                     mode="network" if call.mode == "network" else "direct")
-        mode = _direct_mode(call)
+                     mode=mode)
         cap = completion_cap(tier, principal.tier, call.max_tokens)
         claim = idempotency.claim_for(principal.account, style.name, request.headers, raw)
     except GatewayError:
@@ -128,7 +130,12 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
             return await submit(request, meter.meter, route=f"chat:{style.name}", body=raw,
                                 task_id=ids.task_id(mode), mode=mode, cap=cap)
-        response = await _forward(request, style, call, cap, pool, mode, request_id, result)
+        if mode == "network":  # on several backends, the answer a quorum agrees on
+            response = await _network_chat(request, style, call, cap, pool, result,
+                                           principal.account)
+        else:
+            response = await _forward(request, style, call, cap, pool, mode, request_id,
+                                      result)
         return response
     except asyncio.CancelledError:
         result.status = Outcome.CLIENT_GONE
@@ -155,10 +162,12 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     try:
         body = await family.read(request, policies)
         job = family.parse(body, policies, request.match_info)
-        pool = family.pool(app[ROUTER], job, policies)  # 404
+        model = family.model(job, policies)
+        mode = choose_mode(app[ROUTER], family.name, model, job.mode) if model else (
+            "network" if job.mode == "network" else "direct")
+        pool = family.pool(app[ROUTER], job, policies, mode)  # 404
         check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
-                     mode="network" if job.mode == "network" else "direct")
-        mode = _direct_only(job.mode)
+                     mode=mode)
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
@@ -172,6 +181,8 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
             return await submit(request, meter, route=family.name, body=orjson.dumps(body),
                                 task_id=ids.task_id(mode), mode=mode)
+        if mode == "network":
+            return await _network_task(request, family, job, pool, result, meter.principal)
         return await family.run(request, job, pool, result)
     except asyncio.CancelledError:
         result.status = Outcome.CLIENT_GONE
@@ -302,18 +313,8 @@ async def complete_chat(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, po
                         mode: str, task_id: str) -> tuple[bytes, dict[str, Any] | None]:
     """A whole chat answer without a client connection (an async task): the rendered body and
     the upstream's usage."""
-    headers = {"Content-Type": "application/json", "Accept": "application/json",
-               "X-Request-Id": ctx.request_id}
-
-    def body_for(backend: Backend) -> bytes:
-        return wire.upstream_body(call.openai_body, False, backend.spec.kind, cap)
-
-    async def use(backend: Backend, upstream: aiohttp.ClientResponse
-                  ) -> tuple[bytes, dict[str, Any] | None]:
-        return await _rendered(style, call, backend, upstream, task_id, mode)
-
-    return await ctx.app[UPSTREAMS].call(pool, CHAT_UPSTREAM_PATH, body_for, headers,
-                                         ctx.client_headers, use)
+    completion = await fetch_completion(ctx, call, cap, pool)
+    return orjson.dumps(style.response(completion, call, task_id, mode)), completion.get("usage")
 
 
 async def _rendered(style: ChatStyle, call: ChatCall, backend: Backend,
@@ -323,6 +324,77 @@ async def _rendered(style: ChatStyle, call: ChatCall, backend: Backend,
                                    call.model)
     body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
     return body, completion.get("usage")
+
+
+async def _network_chat(request: web.Request, style: ChatStyle, call: ChatCall, cap: int,
+                        pool: Pool, result: Result, account: str) -> web.Response:
+    """Network mode: the completion a quorum of replicas agrees on, with its task address."""
+    app, ctx = request.app, Ctx.of(request)
+    seed = app[LIVE].current.policies.requests.network.seed
+    result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
+    done = await agreed(app, pool, lambda one: fetch_completion(ctx, call, cap, one, seed),
+                        fingerprint, ctx.request_id)
+    task_id = ids.task_id("network")
+    rendered = style.response(done.answer, call, task_id, "network")
+    rendered["task_address"] = done.address
+    await _record(request, account, done, rendered)
+    result.usage = done.answer.get("usage")
+    return await _send_whole(request, orjson.dumps(rendered), "application/json", result, {
+        "X-Task-Id": task_id, "X-Task-Address": done.address})
+
+
+async def _network_task(request: web.Request, family: Family, job: Job, pool: Pool,
+                        result: TaskResult, principal: Principal) -> web.Response:
+    """Network mode for a task family (speech, so far): the audio a quorum agrees on."""
+    app, ctx = request.app, Ctx.of(request)
+    result.status = Outcome.UPSTREAM_ERROR
+    done = await agreed(app, pool, lambda one: family.produce(ctx, job, one),
+                        lambda answer: fingerprint(answer.body), ctx.request_id)
+    answer: Answer = done.answer
+    await _record(request, principal.account, done, {"content_type": answer.content_type,
+                                                     "bytes": len(answer.body)})
+    result.used = answer.used
+    return await _send_whole(request, answer.body, answer.content_type, result, {
+        **answer.headers, "X-Task-Id": ids.task_id("network"), "X-Task-Address": done.address})
+
+
+async def _record(request: web.Request, account: str, done: Agreed, result: Any) -> None:
+    try:
+        await record(request.app, account, done, result)
+    except RedisError:  # the answer stands; only its record is missing
+        log.warning("network-mode run %s could not be recorded (request %s)", done.address,
+                    request[REQUEST_ID])
+
+
+async def _send_whole(request: web.Request, body: bytes, content_type: str,
+                      result: Result | TaskResult, headers: dict[str, str]) -> web.Response:
+    response = web.Response(body=body, headers={
+        **request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request[REQUEST_ID], **headers,
+        "Content-Type": content_type})
+    result.status = Outcome.CLIENT_GONE  # until the answer is out
+    await response.prepare(request)
+    await response.write_eof()
+    result.status = Outcome.COMPLETED
+    return response
+
+
+async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
+                           seed: int | None = None) -> dict[str, Any]:
+    """One whole completion from `pool` as OpenAI shapes it (the backend's dialect fixed);
+    `seed` sent unless the client set one (network mode's replicas must sample alike)."""
+    body = call.openai_body if seed is None or "seed" in call.openai_body else {
+        **call.openai_body, "seed": seed}
+    headers = {"Content-Type": "application/json", "Accept": "application/json",
+               "X-Request-Id": ctx.request_id}
+
+    async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> dict[str, Any]:
+        return wire.fix_response(await _read_completion(upstream), backend.spec.kind,
+                                 call.model)
+
+    return await ctx.app[UPSTREAMS].call(
+        pool, CHAT_UPSTREAM_PATH,
+        lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap), headers,
+        ctx.client_headers, use)
 
 
 def parsed_call(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
@@ -341,19 +413,6 @@ def _check_context(call: ChatCall, context: int | None) -> None:
             "msg": f"Input should be less than or equal to {context}, the model's context "
                    f"length (prompt and completion together)",
         }])
-
-
-def _direct_mode(call: ChatCall) -> str:
-    return _direct_only(call.mode)
-
-
-def _direct_only(mode: str | None) -> str:
-    """`auto` and `direct` run on the model's direct pool; no network-mode pools exist yet."""
-    if mode == "network":
-        raise GatewayError(
-            ErrorKind.NOT_FOUND, "network mode is not offered for this model; use direct or auto"
-        )
-    return "direct"
 
 
 async def _read_completion(upstream: aiohttp.ClientResponse) -> dict[str, Any]:

@@ -110,8 +110,12 @@ class Family(abc.ABC):
         (GatewayError) when it is not one."""
 
     @abc.abstractmethod
-    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
-        """The backends that serve it; 404 for a model (or provider) no backend serves."""
+    def model(self, job: Job, policies: Policies) -> str | None:
+        """The model it names (or the default); None when a provider's pool decides."""
+
+    def pool(self, router: Router, job: Job, policies: Policies, mode: str = "direct") -> Pool:
+        """The backends that serve it in `mode`; 404 for a model no backend serves (so)."""
+        return router.pool(self.name, self.model(job, policies) or "", mode)
 
     @abc.abstractmethod
     async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
@@ -173,8 +177,8 @@ class SpeechSynthesis(Family):
         req: tts.TtsRequest = _parsed(tts.parse_tts, body, policies.requests.tts.max_characters)
         return _speech_job(Speech(req))
 
-    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
-        return router.pool("tts", job.model or policies.requests.tts.default_model)
+    def model(self, job: Job, policies: Policies) -> str | None:
+        return job.model or policies.requests.tts.default_model
 
     async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
         speech: Speech = job.request
@@ -260,8 +264,8 @@ class SpeechRecognition(Family):
     def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         return _transcription_job(Transcription(_parsed(asr.parse_asr, body)), policies)
 
-    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
-        return router.pool("asr", job.model or policies.requests.asr.default_model)
+    def model(self, job: Job, policies: Policies) -> str | None:
+        return job.model or policies.requests.asr.default_model
 
     async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
         job_: Transcription = job.request
@@ -369,7 +373,13 @@ class Generation(Family):
         return Job(generation.forwarded(sent), req.model, req.mode or "auto", bool(req.async_),
                    worst, params["provider"])
 
-    def pool(self, router: Router, job: Job, policies: Policies) -> Pool:
+    def model(self, job: Job, policies: Policies) -> str | None:
+        return None  # the provider's pool names it
+
+    def pool(self, router: Router, job: Job, policies: Policies, mode: str = "direct") -> Pool:
+        if mode != "direct":
+            raise GatewayError(ErrorKind.NOT_FOUND, f"{self.name} providers are not offered "
+                               "in network mode")
         return router.provider_pool(self.name, job.provider or "", job.model)
 
     async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:

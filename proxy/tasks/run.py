@@ -23,10 +23,12 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.families.handlers import Answer, Ctx, Family
 from proxy.identity.principal import Principal, PrincipalKind
 from proxy.outcome import Outcome
-from proxy.pipeline import complete_chat, parsed_call
+from proxy.pipeline import complete_chat, fetch_completion, parsed_call
 from proxy.policy.admission import Hold
 from proxy.styles.base import ChatStyle
+from proxy.tasks.network import agreed, record
 from proxy.tasks.spec import TaskSpec
+from proxy.upstream.quorum import fingerprint
 
 log = logging.getLogger("proxy.tasks")
 
@@ -68,8 +70,15 @@ async def run_task(app: web.Application, routes: dict[str, Runnable], account: s
 async def _produce(family: Family, ctx: Ctx, spec: TaskSpec) -> Answer:
     policies = ctx.app[LIVE].current.policies
     job = family.parse(orjson.loads(spec.body), policies, spec.params)
-    pool = family.pool(ctx.app[ROUTER], job, policies)
-    return await family.produce(ctx, job, pool)
+    pool = family.pool(ctx.app[ROUTER], job, policies, spec.mode)
+    if spec.mode != "network":
+        return await family.produce(ctx, job, pool)
+    done = await agreed(ctx.app, pool, lambda one: family.produce(ctx, job, one),
+                        lambda answer: fingerprint(answer.body), spec.request_id)
+    await record(ctx.app, spec.account, done, {"task_id": spec.id})
+    answer: Answer = done.answer
+    return Answer(answer.body, answer.content_type, answer.used,
+                  {**answer.headers, "X-Task-Address": done.address})
 
 
 async def _kept(app: web.Application, spec: TaskSpec, answer: Answer, ttl: int) -> Any:
@@ -87,13 +96,24 @@ async def _kept(app: web.Application, spec: TaskSpec, answer: Answer, ttl: int) 
 async def _chat(app: web.Application, style: ChatStyle, ctx: Ctx, spec: TaskSpec,
                 meter: Meter) -> Any:
     call = parsed_call(style, orjson.loads(spec.body))
-    pool = app[ROUTER].chat_pool(call.model)
-    chat = ChatMeter(meter, app[LIVE].current.policies.prices.for_model(spec.model, spec.mode),
-                     call.openai_body)
+    pool = app[ROUTER].pool("chat", call.model, spec.mode)
+    policies = app[LIVE].current.policies
+    chat = ChatMeter(meter, policies.prices.for_model(spec.model, spec.mode), call.openai_body)
     outcome = Result(status=Outcome.UPSTREAM_ERROR)
+    cap = spec.cap or policies.prices.default_max_tokens
     try:
-        body, outcome.usage = await complete_chat(ctx, style, call, spec.cap or 1, pool,
-                                                  spec.mode, spec.id)
+        if spec.mode == "network":
+            seed = policies.requests.network.seed
+            done = await agreed(app, pool, lambda one: fetch_completion(ctx, call, cap, one, seed),
+                                fingerprint, spec.request_id)
+            rendered = style.response(done.answer, call, spec.id, "network")
+            rendered["task_address"] = done.address
+            await record(app, spec.account, done, rendered)
+            outcome.usage = done.answer.get("usage")
+            body = orjson.dumps(rendered)
+        else:
+            body, outcome.usage = await complete_chat(ctx, style, call, cap, pool, spec.mode,
+                                                      spec.id)
         outcome.status = Outcome.COMPLETED
     finally:
         chat.settle(app[SETTLER], app[LEDGER].settle_script, outcome)

@@ -47,4 +47,6 @@ def poll_answer(task_id: str, fields: dict[str, str]) -> dict[str, Any]:
         out["error"] = msgspec.json.decode(fields["error"])
     if "task_address" in fields:
         out["task_address"] = fields["task_address"]
+    if "agreement" in fields:
+        out["agreement"] = msgspec.json.decode(fields["agreement"])
     return out

@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
 
 from proxy.tasks.spec import DECODER, ENCODER, TaskSpec
 
@@ -109,6 +110,20 @@ class TaskStore:
             keys=[task_key(account, task_id), open_key(account)],
             args=[status, field, orjson.dumps(value), int(time.time()), ttl_s])
         return bool(done)
+
+    async def put_completed(self, account: str, task_id: str, result: Any, *, ttl_s: int,
+                            extra: dict[str, Any] | None = None) -> None:
+        """A task that ran where its caller waited (a network-mode run): completed at once."""
+        now = int(time.time())
+        name = task_key(account, task_id)
+        fields: dict[FieldT, EncodableT] = {
+            "status": "completed", "result": orjson.dumps(result), "created_at": now,
+            "updated_at": now, "task_address": task_id,
+            **{k: orjson.dumps(v) for k, v in (extra or {}).items()}}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(name, mapping=fields)
+            pipe.expire(name, ttl_s)
+            await pipe.execute()
 
     async def put_media(self, account: str, content_type: str, data: bytes, ttl_s: int) -> str:
         """Keep a task's audio or video for its owner; returns the media key."""

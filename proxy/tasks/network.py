@@ -1,0 +1,75 @@
+"""Network mode (DESIGN §6): one request run on `replicas` distinct backends of the model's
+network pool, the answer a quorum agrees on returned, and the run recorded as a task the caller
+can poll by its `task_address`.
+
+    mode     "network" as asked; "auto" is direct when the model's direct pool has a healthy
+             backend, else network when the model is offered there (a stream: always direct)
+    run      each replica on its own one-backend pool (no retry elsewhere: a failed replica is
+             a vote lost), the same body (chat: one `seed`, [network] seed, unless the client set
+             one), concurrently (proxy.upstream.redundant)
+    verdict  the largest group of identical answers (proxy.upstream.quorum.fingerprint) wins if
+             it reaches the quorum; else 502 (no two agreed) or the replicas' own failure
+    record   `igw:{A}:task:<task_address>`: the answer and the agreement (replicas, agreeing,
+             quorum, backends, fingerprints), kept [tasks] result_ttl_s
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from proxy.appkeys import LIVE, TASKS
+from proxy.errors import ErrorKind, GatewayError
+from proxy.upstream.pool import Pool, Router
+from proxy.upstream.quorum import Verdict, task_address
+from proxy.upstream.redundant import run_redundant
+
+T = TypeVar("T")
+
+
+def choose_mode(router: Router, family: str, model: str, asked: str | None, *,
+                stream: bool = False) -> str:
+    """The mode a request runs in (a mode the model does not offer: the pool lookup's 404)."""
+    if asked in ("direct", "network"):
+        return asked
+    direct = router.has_pool(family, model, "direct")
+    if stream or (direct and router.pool(family, model, "direct").healthy):
+        return "direct"
+    return "network" if router.has_pool(family, model, "network") else "direct"
+
+
+@dataclass(frozen=True, slots=True)
+class Agreed:
+    answer: Any
+    address: str
+    agreement: dict[str, Any]
+
+
+async def agreed(app: web.Application, pool: Pool, run_one: Callable[[Pool], Awaitable[T]],
+                 key: Callable[[T], str], request_id: str) -> Agreed:
+    """Run on distinct backends; the answer a quorum agrees on (502 / the failure otherwise)."""
+    policy = app[LIVE].current.policies.requests.network
+    backends = pool.pick_distinct(policy.replicas)
+    verdict: Verdict[T] = await run_redundant(
+        backends, lambda backend: run_one(Pool(pool.model, [backend])), key=key,
+        quorum=policy.needed, name=lambda backend: backend.name)
+    if not verdict.agreed:
+        failures = [exc for _, exc in verdict.failures]
+        if len(failures) == verdict.replicas and isinstance(failures[0], GatewayError):
+            raise failures[0]  # all failed alike: the upstream's own answer
+        raise GatewayError(ErrorKind.UPSTREAM_ERROR,
+                           f"the {verdict.replicas} replicas did not agree ({verdict.agreeing} "
+                           f"identical answers, {verdict.quorum} needed)")
+    return Agreed(verdict.answer, task_address(request_id, pool.model, verdict.fingerprints), {
+        "replicas": verdict.replicas, "agreeing": verdict.agreeing, "quorum": verdict.quorum,
+        "backends": verdict.backends, "fingerprints": verdict.fingerprints})
+
+
+async def record(app: web.Application, account: str, done: Agreed, result: Any) -> None:
+    """The run, pollable at /v2/tasks/{task_address} by its owner."""
+    ttl = app[LIVE].current.policies.requests.tasks.result_ttl_s
+    await app[TASKS].put_completed(account, done.address, result, ttl_s=ttl,
+                                   extra={"agreement": done.agreement})

@@ -13,12 +13,11 @@ import orjson
 from aiohttp import web
 
 from proxy.appkeys import CONFIG, LIVE, ROUTER
-from proxy.config import FAMILY_OF_KIND, VOICE_PRESETS, BackendSpec, Rates
+from proxy.config import FAMILY_OF_KIND, VOICE_PRESETS, BackendSpec, ModelPrice, Rates
 from proxy.policy.tiers import denial
 
 SOURCE_OF_FAMILY = {"chat": "compat", "asr": "audio", "tts": "audio", "image": "image",
                     "video": "video"}
-OFFERED_MODES = ("direct",)  # network-mode pools do not exist yet
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -29,24 +28,29 @@ async def list_models(request: web.Request) -> web.Response:
     for spec in request.app[CONFIG].backends:
         for model in spec.models:
             backends.setdefault(model, []).append(spec)
-    live = {b.name: b.available for b in request.app[ROUTER].backends}
+    router = request.app[ROUTER]
+    live = {b.name: b.available for b in router.backends}
     data = []
     for model, specs in sorted(backends.items()):
         family = FAMILY_OF_KIND[specs[0].kind]
         rates = policies.prices.models.get(model, policies.prices.default)
+        modes = router.modes(model) or ["direct"]
         data.append({
             "id": model,
             "object": "model",
             "created": 0,
             "owned_by": "inference-gateway",
-            "resource": f"{OFFERED_MODES[0]}.{SOURCE_OF_FAMILY[family]}.{model}",
+            "resource": f"{modes[0]}.{SOURCE_OF_FAMILY[family]}.{model}",
+            "resources": [f"{mode}.{SOURCE_OF_FAMILY[family]}.{model}" for mode in modes],
             "task_family": family,
-            "modes": list(OFFERED_MODES),
+            "modes": modes,
             "tiers": {mode: [name for name in policies.tiers.tiers
                              if denial(policies.tiers, name, family=family, model=model,
                                        mode=mode) is None]
-                      for mode in OFFERED_MODES},
+                      for mode in modes},
             "price": _price(rates, policies.prices.version),
+            **({"network_price": _price(rates.network, policies.prices.version)}
+               if isinstance(rates, ModelPrice) and rates.network else {}),
             "healthy": any(live.get(spec.name, False) for spec in specs),
         })
     return web.Response(body=orjson.dumps({"object": "list", "data": data}),

@@ -173,7 +173,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["model"]
     owned_by: str
-    resource: Annotated[str, Meta(description="`mode.source.model`")]
+    resource: Annotated[str, Meta(description="`mode.source.model` (its first mode)")]
+    resources: Annotated[list[str], Meta(description="One per mode it is offered in")]
     task_family: str
     modes: list[str]
     tiers: Annotated[dict[str, list[str]], Meta(description="Mode -> tiers that may use it")]

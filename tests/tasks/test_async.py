@@ -204,3 +204,17 @@ async def test_a_dead_workers_task_runs_elsewhere(gateway: Any, simulator: Any) 
 async def _in_flight(session: aiohttp.ClientSession, sim: Any) -> bool:
     async with session.get(sim.make_url("/_sim/requests")) as r:
         return any(rec["outcome"] is None for rec in await r.json())
+
+
+async def test_results_and_media_expire(media: MediaFactory) -> None:
+    """A finished task's record and its media live [tasks] result_ttl_s; the open-task count
+    goes back down when it ends."""
+    m = await media(requests_toml="[tasks]\nresult_ttl_s = 120\nmax_run_s = 600\n")
+    headers = await m.key("basic", "acct-ttl")
+    task = await submitted(m, TTS, {"text": "Short lived."}, headers)
+    running_ttl = await m.redis.ttl(f"igw:{{acct-ttl}}:task:{task['task_id']}")
+    assert 600 < running_ttl <= 720  # result_ttl_s + max_run_s while it may still run
+    result = (await finished(m, task["poll_url"], headers))["result"]
+    assert 0 < await m.redis.ttl(f"igw:{{acct-ttl}}:task:{task['task_id']}") <= 120
+    assert 0 < await m.redis.ttl(f"igw:{{acct-ttl}}:media:{result['media_key']}") <= 120
+    assert int(await m.redis.get("igw:{acct-ttl}:tasks_open")) == 0

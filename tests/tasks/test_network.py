@@ -232,3 +232,18 @@ async def _finished(gw: Any, poll_url: str, headers: dict[str, str]) -> dict[str
             if record["status"] != "running":
                 return record
             await asyncio.sleep(0.05)
+
+
+async def test_models_list_both_modes_and_the_network_price(gateway: Any, simulator: Any,
+                                                            clean_redis: Any) -> None:
+    gw, headers, _, redis, _ = await net_stack(gateway, simulator, clean_redis)
+    try:
+        status, listing = await get(gw, "/v2/models", headers)
+        assert status == 200
+        [large] = [m for m in listing["data"] if m["id"] == LARGE]
+        assert large["modes"] == ["direct", "network"]
+        assert large["resources"] == [f"direct.compat.{LARGE}", f"network.compat.{LARGE}"]
+        assert large["tiers"] == {"direct": ["pro", "max"], "network": ["max"]}
+        assert large["network_price"]["completion_per_1k_tokens"] == 5000
+    finally:
+        await redis.aclose()

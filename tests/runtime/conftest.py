@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from proxy.runtime.redis_process import RedisProcess
 from tests.runtime.test_fleet import Stack
+
+
+@pytest.fixture
+def redis_url(clean_redis: RedisProcess) -> str:
+    """A Redis the test can read too (instead of the embedded one)."""
+    return clean_redis.url
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ import psutil
 import pytest
 
 from proxy.http.sse import SSEDecoder
-from proxy.runtime.redis_process import RedisProcess
 from tests.conftest import (
     GENEROUS_TIERS,
     MODEL,
@@ -160,11 +159,6 @@ def gone(proc: psutil.Process) -> bool:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-@pytest.fixture
-def redis_url(clean_redis: RedisProcess) -> str:
-    return clean_redis.url
 
 
 async def chat(session: aiohttp.ClientSession, url: str, **extra: Any) -> int:

@@ -6,7 +6,9 @@
     -> idempotency (409/replay) -> route (503) -> translate -> upstream (502/503/504, one retry
     on another backend before the client's first byte) -> relay (JSON, or a stream event by
     event) -> meter + settle (queued, exactly once)
-    (`async: true`: after admission the request becomes a task, 202; proxy.tasks runs the rest)
+    (`async: true`: after admission the request becomes a task, 202; proxy.tasks runs the rest.
+    `mode: network`: the request runs on several backends, the answer a quorum agrees on is
+    returned with its task address; proxy.tasks.network)
 
 The completion cap the hold assumes (the client's, else the tier's, else `default_max_tokens`)
 is what the upstream gets, bounded by the context its engines report (`Pool.context_limit`,
@@ -99,11 +101,12 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
         call = parsed_call(style, parse_json_object(raw))
         mode = choose_mode(app[ROUTER], "chat", call.model, call.mode, stream=call.stream)
-        pool = app[ROUTER].pool("chat", call.model, mode)  # 404, before access
-        context = pool.context_limit()  # the engines' own limit (read by the prober)
-        _check_context(call, context)
+        app[ROUTER].require("chat", call.model)  # 404: no such chat model, before access
         check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
                      mode=mode)
+        pool = app[ROUTER].pool("chat", call.model, mode)  # 404: not offered in that mode
+        context = pool.context_limit()  # the engines' own limit (read by the prober)
+        _check_context(call, context)
         cap = completion_cap(tier, principal.tier, call.max_tokens)
         claim = idempotency.claim_for(principal.account, style.name, request.headers, raw)
     except GatewayError:
@@ -162,12 +165,17 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     try:
         body = await family.read(request, policies)
         job = family.parse(body, policies, request.match_info)
-        model = family.model(job, policies)
+        model = family.model(job, policies)  # None: a provider's pool names it
         mode = choose_mode(app[ROUTER], family.name, model, job.mode) if model else (
             "network" if job.mode == "network" else "direct")
-        pool = family.pool(app[ROUTER], job, policies, mode)  # 404
-        check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
-                     mode=mode)
+        if model is not None:
+            app[ROUTER].require(family.name, model)  # 404: no such model, before access
+            check_access(policies.tiers, principal.tier, family=family.name, model=model,
+                         mode=mode)
+        pool = family.pool(app[ROUTER], job, policies, mode)  # 404 (not in that mode)
+        if model is None:
+            check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
+                         mode=mode)
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise

@@ -243,6 +243,11 @@ class Router:
                                f"{FAMILY_NAMES[family]} model")
         raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} does not exist")
 
+    def require(self, family: str, model: str) -> None:
+        """404 unless some backend serves `model` for `family` (in any mode)."""
+        if (family, model) not in self._offered:
+            self.pool(family, model)  # raises the 404 that says why
+
     def has_pool(self, family: str, model: str, mode: str) -> bool:
         return (family, model, mode) in self._pools
 

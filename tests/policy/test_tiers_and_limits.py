@@ -198,8 +198,9 @@ async def test_each_tier_access(simulator: SimulatorFactory, gateway: GatewayFac
     assert (await status("pro", model=BIG))[0] == 200
     code, message = await status("pro", model=BIG, mode="network")
     assert code == 403 and "network mode" in message
-    # Max may use it in network mode; no network pool exists yet, so the answer is 404.
-    assert (await status("max", model=BIG, mode="network"))[0] == 404
+    # Max may use it in network mode; this gateway offers it in direct mode only: 404.
+    code, message = await status("max", model=BIG, mode="network")
+    assert code == 404 and "not offered in network mode" in message
     assert (await status("max", model=BIG))[0] == 200
 
 

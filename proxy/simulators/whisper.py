@@ -1,13 +1,18 @@
 """Whisper on one port, in both wire formats a gateway meets (protocols.md §6).
 
 - vLLM's OpenAI-style `POST /v1/audio/transcriptions` and `/v1/audio/translations`, matched to
-  a real vLLM 0.32 serving Whisper (real-engines/whisper-wire.md): `json` (and `text`, which
-  vLLM also answers as JSON) gives `{"text","usage":{"type":"duration","seconds":ceil}}`
-  (translations: no usage); `verbose_json` gives duration, ISO `language`, segments whose ids
-  restart in each 30 s window (`seek` = the window's start) and `"words": null` even when
+  a real vLLM 0.32 serving Whisper (real-engines/whisper-wire.md and the real-engine tier's
+  tests/real_engine/test_asr_fidelity.py): `json` (and `text`, which vLLM also answers as
+  JSON) gives `{"text","usage":{"type":"duration","seconds":ceil}}` (translations: no usage);
+  `verbose_json` gives duration, ISO `language`, segments whose ids restart in each 30 s
+  window (`seek` = the window's start) and `"words": null` even when
   `timestamp_granularities[]=word` is sent, as vLLM does; `--word-timestamps` adds OpenAI's
-  top-level `words` instead. `stream=true` sends vLLM's `transcription.chunk` events (one
-  finish chunk per 30 s window, optional usage). Errors are the captured ones, word for word.
+  top-level `words` instead. `stream=true` sends vLLM's `transcription.chunk` events
+  (`translation.chunk`, ids `translate-...`, on translations): one finish chunk per 30 s
+  window, then usage with `stream_include_usage` (on every chunk too with
+  `stream_continuous_usage_stats`, which alone adds nothing). Errors are the real ones, word
+  for word, pydantic's included (a translation has no `timestamp_granularities[]` to check,
+  nor `diarized_json`); an unserved path or method is FastAPI's JSON 404/405 `{"detail"}`.
 - whisper.cpp's `POST /inference` (v1.8/1.9): `{"text"}` with whisper.cpp's leading space,
   `verbose_json` with a full language name and per-token words inside segments, text, srt and
   vtt; errors are `{"error": ...}`, 400 (v1.9) or 200 with `--whisper-cpp-errors-200` (v1.8,
@@ -18,20 +23,26 @@ Hearing (`speech.hear`): a WAV is read sample by sample; audio the TTS simulator
 a watermark and is transcribed back to exactly its text (translation too: it is English
 already). Other audio gets a pseudo-transcript (2.5 words/s) chosen by the bytes' hash. MP3,
 FLAC, M4A, OGG and WebM are measured from their container (vLLM decodes them all; whisper.cpp
-without --convert only WAV, MP3 and FLAC); a container that states no duration is taken to be
-128 kbps. `--ttft-ms` is the processing time. `GET /health` is 200 `{"status":"ok"}`.
+without --convert only WAV, MP3 and FLAC), except where vLLM's decoder (FFmpeg, by PyAV)
+puts out another length: Ogg Opus counts its packets' samples less pre-skip and end trimming,
+WebM Opus its blocks' less CodecDelay and DiscardPadding, AAC in MP4 its frames whole less
+the edit list's skip, and what PyAV decodes (MP4, WebM) loses 1 ms to vLLM's unflushed
+resampler unless it is 16 kHz already; a container that states no duration
+is taken to be 128 kbps. `--ttft-ms` is the processing time. `GET /health` is 200
+`{"status":"ok"}`.
 
 Differences kept on purpose: `prompt`, `seed` and the sampling fields do not change the text;
 vLLM's 30 s windows split at a quiet point near 30 s, ours exactly at 30 s; a stream's
 `completion_tokens` counts a token per word plus one end-of-text per window (vLLM's BPE
-pieces and timestamp tokens differ); `diarized_json` (which vLLM's Whisper cannot produce;
-not captured) is a 400. whisper.cpp given an unknown `language` answers `{"error": "unknown
-language 'xx'"}` (the words of its startup check; the request path is not documented).
+pieces and timestamp tokens differ). whisper.cpp given an unknown `language` answers
+`{"error": "unknown language 'xx'"}` (the words of its startup check; the request path is not
+documented).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import time
@@ -39,7 +50,16 @@ from collections.abc import Sequence
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
+from proxy.media.containers import (
+    CLUSTER,
+    SEGMENT,
+    Malformed,
+    ebml_elements,
+    mp4_boxes,
+    uint,
+)
 from proxy.simulators import vllm
 from proxy.simulators.faults import pause
 from proxy.simulators.runtime import (
@@ -75,6 +95,8 @@ CORRUPTED = ("Invalid or corrupted audio data. Ensure the input is a valid audio
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 FORMS_ANSWERED = ("json", "text", "verbose_json")
 _FORM_BASE_ITEMS = 13  # vLLM's pydantic input dict has 13 entries besides the form's keys
+GRANULARITIES = "timestamp_granularities[]"
+WHISPER_RATE = 16000  # what vLLM resamples every upload to
 CPP_AUDIO = ("wav", "mp3", "flac")  # what whisper.cpp's miniaudio reads without --convert
 ONE_AT_A_TIME = web.AppKey("whisper_cpp_mutex", asyncio.Lock)
 
@@ -109,21 +131,30 @@ def _literal(loc: str, value: str, options: Sequence[str]) -> dict[str, object]:
             "input": value, "ctx": {"expected": expected}}
 
 
-def _parse(form: Form) -> tuple[str, float, tuple[bool, bool, bool]]:
-    """Pydantic's part of vLLM's validation: every problem in one 400, worded as pydantic."""
+def _parse(form: Form, task: str) -> tuple[str, float, tuple[bool, bool, bool]]:
+    """Pydantic's part of vLLM's validation: every problem in one 400, worded as pydantic.
+
+    The two routes' models differ: a translation has no `timestamp_granularities[]` (the
+    field is neither checked nor taken out of the input dict), and its `response_format` has
+    no `diarized_json` branch. A transcription checks the list on its own, so a bad item's
+    `loc` is `body.<index>`."""
     problems: list[dict[str, object]] = []
+    transcribe = task == "transcribe"
     if form.get("file") is None:
-        items = len({f.name for f in form.fields}) + _FORM_BASE_ITEMS
+        names = {f.name for f in form.fields}
+        if transcribe:
+            names.discard(GRANULARITIES)
+        items = len(names) + (_FORM_BASE_ITEMS if transcribe else _FORM_BASE_ITEMS - 1)
         problems.append({"type": "missing", "loc": "body.file", "msg": "Field required",
                          "input": f"<dict of {items} items>"})
     fmt = form.text("response_format") or "json"
-    if fmt not in (*FORMATS, "diarized_json"):
+    if fmt not in FORMATS and (fmt != "diarized_json" or not transcribe):
         problems.append(_literal("body.response_format", fmt, FORMATS))
-        problems.append(_literal("body.response_format", fmt, ("diarized_json",)))
-    for i, value in enumerate(form.texts("timestamp_granularities[]")):
+        if transcribe:
+            problems.append(_literal("body.response_format", fmt, ("diarized_json",)))
+    for i, value in enumerate(form.texts(GRANULARITIES) if transcribe else ()):
         if value not in ("word", "segment"):
-            problems.append(_literal(f"body.timestamp_granularities.{i}", value,
-                                     ("word", "segment")))
+            problems.append(_literal(f"body.{i}", value, ("word", "segment")))
     temperature = 0.0
     raw = form.text("temperature")
     try:
@@ -147,6 +178,237 @@ def _parse(form: Form) -> tuple[str, float, tuple[bool, bool, bool]]:
     return fmt, temperature, (flags[0], flags[1], flags[2])
 
 
+# --- decoded lengths ---------------------------------------------------------------------
+# vLLM decodes uploads with libsndfile (WAV, FLAC, Ogg, MP3) or else PyAV (FFmpeg); its
+# duration is the samples the decoder puts out at 16 kHz, which for three containers is not
+# what the container states (proxy.media reads containers).
+
+
+def _opus_samples(packet: bytes) -> int:
+    """48 kHz samples in an Opus packet, from its TOC byte (RFC 6716 §3.1)."""
+    if not packet:
+        return 0
+    config, code = packet[0] >> 3, packet[0] & 3
+    if config < 12:  # SILK: 10, 20, 40, 60 ms
+        size = (480, 960, 1920, 2880)[config % 4]
+    elif config < 16:  # hybrid: 10, 20 ms
+        size = (480, 960)[config % 2]
+    else:  # CELT: 2.5, 5, 10, 20 ms
+        size = (120, 240, 480, 960)[config % 4]
+    if code == 0:
+        return size
+    if code in (1, 2):
+        return 2 * size
+    return size * (packet[1] & 0x3F) if len(packet) > 1 else 0
+
+
+def _ogg_opus_seconds(data: bytes) -> float | None:
+    """What FFmpeg decodes from Ogg Opus: every audio packet's samples, less the OpusHead
+    pre-skip and the end trimming the last (end-of-stream) page's granule implies (the
+    running timestamp, started where the first granule says, past that granule). FFmpeg's
+    muxer starts its granules a pre-skip in (3 s: the first 48,000 samples end at granule
+    48,312, the last page at 144,624), so the last granule less pre-skip overstates the
+    audio by a pre-skip; the decoder gets the 144,000 samples encoded. None when this is not
+    Ogg Opus."""
+    pos, serial, packet, index = 0, None, bytearray(), 0
+    total = 0  # 48 kHz samples of the audio packets so far
+    start: int | None = None  # the running timestamp's origin, from the first granule
+    skip = 0
+    trim = 0
+    while pos + 27 <= len(data) and data[pos : pos + 4] == b"OggS":
+        flags = data[pos + 5]
+        granule = int.from_bytes(data[pos + 6 : pos + 14], "little", signed=True)
+        count = data[pos + 26]
+        lacing = data[pos + 27 : pos + 27 + count]
+        body = pos + 27 + count
+        end = body + sum(lacing)
+        if len(lacing) < count or end > len(data):
+            break  # a cut-off page: the decoder stops at what it has
+        page_serial = data[pos + 14 : pos + 18]
+        serial = serial or page_serial
+        if page_serial == serial:
+            if not flags & 1:
+                packet.clear()  # not a continuation: whatever was pending is lost
+            offset = body
+            for value in lacing:
+                packet += data[offset : offset + value]
+                offset += value
+                if value == 255:
+                    continue
+                if index == 0:
+                    if not packet.startswith(b"OpusHead") or len(packet) < 19:
+                        return None
+                    skip = int.from_bytes(packet[10:12], "little")
+                elif index > 1:  # index 1: OpusTags
+                    total += _opus_samples(bytes(packet[:2]))
+                index += 1
+                packet.clear()
+            if granule >= 0 and index > 2:
+                if start is None:
+                    start = granule - total
+                if flags & 4:  # end of stream: FFmpeg trims what runs past the granule
+                    trim = max(0, start + total - granule)
+        pos = end
+    if index == 0:
+        return None
+    return max(0, total - skip - trim) / 48000
+
+
+# Matroska ids: Tracks, TrackEntry, TrackNumber, CodecID, CodecDelay; SimpleBlock,
+# BlockGroup, Block, DiscardPadding.
+_MKV_TRACKS, _MKV_ENTRY, _MKV_NUMBER, _MKV_CODEC, _MKV_DELAY = (0x1654AE6B, 0xAE, 0xD7, 0x86,
+                                                                0x56AA)
+_MKV_SIMPLE, _MKV_GROUP, _MKV_BLOCK, _MKV_DISCARD = 0xA3, 0xA0, 0xA1, 0x75A2
+
+
+def _mkv_opus_track(data: bytes, body: int, end: int) -> tuple[int, int] | None:
+    """(track number, CodecDelay in ns) of the first A_OPUS track in a Tracks element."""
+    for eid, tbody, tend in ebml_elements(data, body, end):
+        if eid != _MKV_ENTRY:
+            continue
+        fields = {fid: data[fbody:fend] for fid, fbody, fend in ebml_elements(data, tbody, tend)}
+        if fields.get(_MKV_CODEC, b"").rstrip(b"\x00") == b"A_OPUS":
+            number = int.from_bytes(fields.get(_MKV_NUMBER, b""), "big")
+            return number, int.from_bytes(fields.get(_MKV_DELAY, b""), "big")
+    return None
+
+
+def _webm_opus_seconds(data: bytes) -> float | None:
+    """What vLLM keeps of Opus in Matroska/WebM (PyAV decodes it): every block's samples, less the
+    CodecDelay (the pre-skip) and each block's DiscardPadding (the last block's end trim).
+    The container's Duration counts the last block whole, so it overstates by the padding
+    (3 s: 3.008). Browser MediaRecorder files, with no Duration at all, are read the same
+    way. None when there is no Opus track or its blocks are laced."""
+    segment = next(((b, e) for i, b, e in ebml_elements(data, 0, len(data)) if i == SEGMENT),
+                   None)
+    if segment is None:
+        return None
+    track, total, discard = None, 0, 0
+    for eid, body, end in ebml_elements(data, *segment):
+        if eid == _MKV_TRACKS and track is None:
+            track = _mkv_opus_track(data, body, end)
+        if eid != CLUSTER or track is None:
+            continue
+        for bid, bbody, bend in ebml_elements(data, body, end):
+            if bid == _MKV_GROUP:
+                parts = {i: (b, e) for i, b, e in ebml_elements(data, bbody, bend)}
+                if _MKV_DISCARD in parts:
+                    at, stop = parts[_MKV_DISCARD]
+                    discard += int.from_bytes(data[at:stop], "big", signed=True)
+                if _MKV_BLOCK not in parts:
+                    continue
+                bbody, bend = parts[_MKV_BLOCK]
+            elif bid != _MKV_SIMPLE:
+                continue
+            # A block: its track number (a vint), a 16-bit time offset, flags, the frame.
+            first = data[bbody] if bbody < bend else 0
+            width = 9 - first.bit_length() if first else 9
+            number = int.from_bytes(data[bbody : bbody + width], "big") & ((1 << 7 * width) - 1)
+            if number != track[0] or width > 8:
+                continue
+            flags = data[bbody + width + 2] if bbody + width + 2 < bend else 0
+            if flags & 0x06:
+                return None  # laced blocks: several frames, counted by nobody here
+            total += _opus_samples(bytes(data[bbody + width + 3 : bbody + width + 5]))
+    if track is None:
+        return None
+    skip = track[1] * 48000 // 1_000_000_000
+    return _resampled(max(0, total - skip - discard * 48000 // 1_000_000_000) / 48000, 48000)
+
+
+def _resampled(seconds: float, rate: int) -> float:
+    """What vLLM keeps of audio PyAV decodes (containers libsndfile cannot read: MP4, WebM):
+    it resamples to 16 kHz frame by frame and never flushes the resampler, so the filter's
+    tail is lost: 16 output samples (1 ms) when downsampling, 16 input samples' worth when
+    upsampling (measured with libswresample's defaults). 3 s of 48 kHz Opus: 2.999 s."""
+    if rate == WHISPER_RATE:
+        return seconds
+    lost = math.floor(16 * max(1.0, WHISPER_RATE / rate))
+    return max(0, math.floor(seconds * WHISPER_RATE + 1e-9) - lost) / WHISPER_RATE
+
+
+def _mp4_box(data: bytes, start: int, end: int, *path: bytes) -> tuple[int, int] | None:
+    span: tuple[int, int] | None = (start, end)
+    for kind in path:
+        assert span is not None
+        span = next(((body, stop) for found, body, stop in mp4_boxes(data, *span)
+                     if found == kind), None)
+        if span is None:
+            return None
+    return span
+
+
+def _mp4_aac_seconds(data: bytes) -> float | None:
+    """What vLLM keeps of AAC in MP4 (PyAV decodes it): every frame whole, 1024 samples each
+    (the last frame's padding is kept, whatever its stts delta says), less the samples the edit list
+    skips at the start (its first `media_time`: the priming, when the muxer wrote it so;
+    FFmpeg writes 0 unless the frames carry timestamps). mvhd states the edited length, so it
+    is shorter by the padding. None when there is no AAC sound track with a sample table
+    (fragmented files)."""
+    moov = _mp4_box(data, 0, len(data), b"moov")
+    if moov is None:
+        return None
+    for kind, body, end in mp4_boxes(data, *moov):
+        if kind != b"trak":
+            continue
+        hdlr = _mp4_box(data, body, end, b"mdia", b"hdlr")
+        if hdlr is None or data[hdlr[0] + 8 : hdlr[0] + 12] != b"soun":
+            continue
+        mdhd = _mp4_box(data, body, end, b"mdia", b"mdhd")
+        stbl = _mp4_box(data, body, end, b"mdia", b"minf", b"stbl")
+        stsd = stsz = None
+        if stbl is not None:
+            stsd, stsz = _mp4_box(data, *stbl, b"stsd"), _mp4_box(data, *stbl, b"stsz")
+        if mdhd is None or stsd is None or stsz is None:
+            return None
+        entry = stsd[0] + 8  # the first sample entry's box: size, type, then its body
+        if data[entry + 4 : entry + 8] != b"mp4a":
+            return None
+        wide = uint(data, mdhd[0], 1) == 1
+        scale = uint(data, mdhd[0] + (20 if wide else 12), 4)
+        rate = uint(data, entry + 8 + 24, 4) >> 16 or scale  # AudioSampleEntry's 16.16 rate
+        frames = uint(data, stsz[0] + 8, 4)
+        if not (scale and rate and frames):
+            return None
+        return _resampled(max(0.0, frames * 1024 / rate - _edit_skip(data, body, end) / scale),
+                          rate)
+    return None
+
+
+def _edit_skip(data: bytes, trak: int, end: int) -> int:
+    """The first edit's media time (mdhd ticks) in the track's edit list; 0 when none."""
+    elst = _mp4_box(data, trak, end, b"edts", b"elst")
+    if elst is None:
+        return 0
+    width = 8 if uint(data, elst[0], 1) == 1 else 4  # version 1: 64-bit times
+    step = 2 * width + 4  # segment duration, media time (signed), rate
+    count = min(uint(data, elst[0] + 4, 4), 16)
+    for at in range(elst[0] + 8, elst[0] + 8 + step * count, step):
+        if at + step > elst[1]:
+            break  # a cut-off entry
+        media_time = int.from_bytes(data[at + width : at + 2 * width], "big", signed=True)
+        if media_time >= 0:  # -1: an empty edit (a delay), not a skip
+            return media_time
+    return 0
+
+
+def _decoded_seconds(data: bytes, heard: Heard) -> float:
+    """The duration vLLM's decoder finds: the container's, except where FFmpeg's decoded
+    length differs (Opus in Ogg and WebM, AAC in MP4)."""
+    try:
+        if heard.format == "ogg":
+            seconds = _ogg_opus_seconds(data)
+        elif heard.format == "m4a":
+            seconds = _mp4_aac_seconds(data)
+        elif heard.format == "webm":
+            seconds = _webm_opus_seconds(data)
+        else:
+            seconds = None
+    except (Malformed, IndexError, ValueError):
+        seconds = None
+    return heard.duration_s if seconds is None else seconds
+
+
 def _decode(data: bytes) -> Heard:
     if len(data) / 1024**2 > MAX_FILE_MB:
         size = len(data) / 1024**2
@@ -156,9 +418,10 @@ def _decode(data: bytes) -> Heard:
         heard = hear(data)
     except Undecodable as exc:
         raise bad("Invalid or unsupported audio file." if exc.broken_wav else CORRUPTED) from None
+    heard = dataclasses.replace(heard, duration_s=_decoded_seconds(data, heard))
     if heard.duration_s > MAX_DURATION_S:
         raise bad(f"Audio exceeds maximum allowed duration of {MAX_DURATION_S}s (file contains "
-                  f"{heard.duration_s:.1f}s at {heard.rate or 16000}Hz). Set "
+                  f"{heard.duration_s:.1f}s at {heard.rate or WHISPER_RATE}Hz). Set "
                   "VLLM_MAX_AUDIO_DECODE_DURATION_S to increase this limit.")
     return heard
 
@@ -175,7 +438,7 @@ async def openai_audio(ex: Exchange, task: str) -> web.StreamResponse:
     if upload is not None and not upload.is_file:
         raise HttpError(422, "Expected 'file' to be a file-like object, not 'str'.",
                         "Unprocessable Entity")
-    fmt, temperature, (stream, usage, continuous) = _parse(form)
+    fmt, temperature, (stream, usage, continuous) = _parse(form, task)
     assert upload is not None
     if (usage or continuous) and not stream:
         raise bad("Stream options can only be defined when `stream=True`. "
@@ -185,8 +448,8 @@ async def openai_audio(ex: Exchange, task: str) -> web.StreamResponse:
     if ex.model not in models:
         raise HttpError(404, f"The model `{ex.model}` does not exist. Valid aliases: "
                         f"{', '.join(models)}.", "NotFoundError", "model")
-    if fmt == "diarized_json":
-        raise bad("diarized_json needs a diarization model; Whisper cannot produce it")
+    if fmt == "diarized_json":  # a transcription's only (a translation's pydantic refuses it)
+        raise bad(f"Currently do not support diarized_json for {ex.model}")
     if fmt not in FORMS_ANSWERED:
         raise bad("Currently only support response_format: `text`, `json`, `verbose_json` or "
                   "`diarized_json`")
@@ -208,14 +471,15 @@ async def openai_audio(ex: Exchange, task: str) -> web.StreamResponse:
     text, duration = _transcript(data, heard)
     segs = segments(text, duration)
     if stream:
-        return await _stream(ex, text, segs, duration, usage, continuous)
+        # Continuous usage stats are a detail of the usage option: alone, no usage at all.
+        return await _stream(ex, task, text, segs, duration, usage, usage and continuous)
     if fmt != "verbose_json":
         body: dict[str, object] = {"text": text}
         if task == "transcribe":
             body["usage"] = {"type": "duration", "seconds": usage_seconds(duration)}
         return json_response(body)
     words = None
-    if ex.config.word_timestamps and "word" in form.texts("timestamp_granularities[]"):
+    if ex.config.word_timestamps and "word" in form.texts(GRANULARITIES):
         words = [{"word": w.text.strip(".,!?;:\"'()") or w.text, "start": w.start, "end": w.end}
                  for seg in segs for w in seg.words]
     return json_response({"duration": duration, "language": language or "en", "text": text,
@@ -235,14 +499,17 @@ def _vllm_segments(segs: Sequence[Segment], temperature: float) -> list[dict[str
     return out
 
 
-async def _stream(ex: Exchange, text: str, segs: Sequence[Segment], duration: float,
+async def _stream(ex: Exchange, task: str, text: str, segs: Sequence[Segment], duration: float,
                   usage: bool, continuous: bool) -> web.StreamResponse:
-    """vLLM's transcription stream: a word per event (with the whitespace before it), a finish
-    chunk per 30 s window, then the optional usage chunk and `[DONE]`."""
+    """vLLM's transcription (or translation) stream: a word per event (with the whitespace
+    before it), a finish chunk per 30 s window, then the optional usage chunk and `[DONE]`.
+    Chunks are `transcription.chunk` with ids `transcribe-<id>`, or `translation.chunk` with
+    `translate-<id>`."""
     writer = EventWriter(ex, b"data: ", vllm.VLLM_CHAT.error_events)
     await writer.open({"Content-Type": "text/event-stream; charset=utf-8"})
     rid = ex.request.headers.get("X-Request-Id") or os.urandom(8).hex()
-    envelope = {"id": f"transcribe-{rid}", "object": "transcription.chunk",
+    kind = "transcription" if task == "transcribe" else "translation"
+    envelope = {"id": f"{task}-{rid}", "object": f"{kind}.chunk",
                 "created": int(time.time()), "model": ex.model}
     prompt = 4 + math.ceil(round(duration * 100, 6))  # decoder prompt + 10 ms audio frames
     done = 0
@@ -365,7 +632,23 @@ async def _whisper_cpp(ex: Exchange) -> web.StreamResponse:
                           "text": spoken, "segments": out})
 
 
+@web.middleware
+async def fastapi_route_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path nobody serves, or a method a route does not take, answered as vLLM's FastAPI
+    app does: 404 `{"detail":"Not Found"}`, 405 `{"detail":"Method Not Allowed"}` with
+    `Allow` (FastAPI routes take no implicit HEAD), both application/json."""
+    missing = request.match_info.http_exception
+    if isinstance(missing, web.HTTPMethodNotAllowed):
+        allow = ", ".join(sorted(m for m in missing.allowed_methods if m != "HEAD"))
+        return json_response({"detail": "Method Not Allowed"}, status=405,
+                             headers={"Allow": allow})
+    if missing is not None and missing.status == 404:
+        return json_response({"detail": "Not Found"}, status=404)
+    return await handler(request)
+
+
 def add_routes(app: web.Application) -> None:
+    app.middlewares.append(fastapi_route_errors)
     app[ONE_AT_A_TIME] = asyncio.Lock()
     app.router.add_post("/v1/audio/transcriptions", inference(transcriptions, form=True))
     app.router.add_post("/v1/audio/translations", inference(translations, form=True))

@@ -11,7 +11,8 @@ import numpy as np
 RATE = 16000
 # (container, codec, codec's sample rate): what PyAV writes for each format.
 ENCODINGS = {"flac": ("flac", "flac", RATE), "mp3": ("mp3", "libmp3lame", RATE),
-             "ogg": ("ogg", "libopus", 48000), "m4a": ("ipod", "aac", RATE)}
+             "ogg": ("ogg", "libopus", 48000), "m4a": ("ipod", "aac", RATE),
+             "webm": ("webm", "libopus", 48000)}
 
 
 def samples(seconds: float, rate: int = RATE, freq: float = 440.0) -> np.ndarray:

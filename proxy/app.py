@@ -18,10 +18,11 @@ import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
 from aiohttp.typedefs import Handler
+from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from proxy.api import account, admin, models, ollama_discovery, openapi, tasks
+from proxy.api import account, admin, dashboard, models, ollama_discovery, openapi, tasks
 from proxy.api import route_docs as docs
 from proxy.appkeys import (
     ADMITTER,
@@ -32,6 +33,7 @@ from proxy.appkeys import (
     KEYSTORE,
     LEDGER,
     LIVE,
+    METRICS,
     OPENAPI,
     REDIS,
     ROUTE_STYLES,
@@ -54,6 +56,9 @@ from proxy.families.handlers import (
 )
 from proxy.http.middleware import gateway_middleware
 from proxy.identity.keystore import KeyStore
+from proxy.observe.access_log import access_log_ctx
+from proxy.observe.metrics import Labels, Metrics
+from proxy.observe.scrape import metrics
 from proxy.pipeline import chat_route, task_route
 from proxy.policy.admission import Admitter
 from proxy.reload import RELOADS, LivePolicies
@@ -145,6 +150,10 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v2/audio/media/{media_key}", tasks.media, docs.MEDIA),
     Route("GET", "/v2/account", account.account, docs.ACCOUNT),
     Route("GET", "/v2/account/usage", account.usage, docs.ACCOUNT_USAGE),
+    # The account holder's usage page (and its two files): it reads the two routes above.
+    Route("GET", "/dashboard", dashboard.page, dashboard.PAGE_DOC),
+    Route("GET", "/dashboard/app.js", dashboard.script, dashboard.SCRIPT_DOC),
+    Route("GET", "/dashboard/style.css", dashboard.style, dashboard.STYLE_DOC),
     Route("GET", f"{_NATIVE}/api/tags", ollama_discovery.tags, docs.OLLAMA_TAGS,
           _OLLAMA),
     Route("POST", f"{_NATIVE}/api/show", ollama_discovery.show, docs.OLLAMA_SHOW,
@@ -157,6 +166,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
     Route("GET", "/v2/openapi.json", openapi.document, docs.OPENAPI),
     Route("GET", "/healthz", healthz, docs.HEALTHZ),
+    Route("GET", "/metrics", metrics, docs.METRICS),
     Route("GET", "/readyz", readyz, docs.READYZ),
     # Operators.
     Route("POST", "/admin/keys", admin.create_key, docs.ADMIN_CREATE_KEY),
@@ -188,7 +198,12 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
     app[CONFIG] = config
     app[ROUTER] = Router(config.backends, config.health)
     app[OPENAPI] = orjson.dumps(OPENAPI_DOCUMENT)
-    app.cleanup_ctx.extend([_state_ctx(redis_url), _upstreams_ctx(resolver), _health_ctx,
+    app[METRICS] = Metrics(Labels(
+        (model for backend in config.backends for model in backend.models),
+        lambda: app[LIVE].current.policies.tiers.tiers,
+        (backend.name for backend in config.backends)), CollectorRegistry())
+    app.cleanup_ctx.extend([access_log_ctx(config.gateway.access_log, config.root),
+                            _state_ctx(redis_url), _upstreams_ctx(resolver), _health_ctx,
                             _tasks_ctx])
     app[ROUTE_STYLES] = {r.handler: r.style for r in ROUTES if r.style is not None}
     for route in ROUTES:
@@ -211,7 +226,7 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
         app[LEDGER] = Ledger(app[REDIS])
         app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
-        app[SETTLER] = Settler(app[REDIS], [app[LEDGER].settle_script])
+        app[SETTLER] = Settler(app[REDIS], [app[LEDGER].settle_script], app[METRICS])
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
         # Policy reloads asked of any worker reach every worker over the same connection.
         notices = {RELOADS: app[LIVE].on_notice}
@@ -233,7 +248,7 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
 def _upstreams_ctx(resolver: AbstractResolver | None
                    ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[UPSTREAMS] = Upstreams(app[CONFIG].upstream)
+        app[UPSTREAMS] = Upstreams(app[CONFIG].upstream, app[METRICS])
         app[DRAIN] = Drain(app[UPSTREAMS])
         # Each fetch follows the live policy (MediaFetcher.follow); this is the first.
         app[FETCHER] = MediaFetcher(rules_from(app[CONFIG].policies.requests.fetch),

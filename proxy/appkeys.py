@@ -11,6 +11,8 @@ from proxy.config import Config
 from proxy.credits.ledger import Ledger
 from proxy.credits.settler import Settler
 from proxy.identity.keystore import KeyStore
+from proxy.observe.access_log import AccessLog
+from proxy.observe.metrics import Metrics
 from proxy.policy.admission import Admitter
 from proxy.reload import LivePolicies
 from proxy.runtime.drain import Drain
@@ -37,6 +39,8 @@ ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")
 DRAIN = web.AppKey("drain", Drain)
 FETCHER = web.AppKey("fetcher", MediaFetcher)  # audio fetched for clients, SSRF rules
 TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue, media
+METRICS = web.AppKey("metrics", Metrics)  # this process's Prometheus metrics
+ACCESS_LOG = web.AppKey("access_log", AccessLog)
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it

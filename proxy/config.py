@@ -68,6 +68,8 @@ class GatewaySection(_Section, frozen=True):
     workers: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
     # On SIGTERM: readiness fails at once, open streams get this long to finish.
     drain_timeout_s: Seconds = 30.0
+    # One JSON line per request: "stderr", "off", or a file (relative to the config folder).
+    access_log: NonEmpty = "stderr"
 
 
 class ServerSection(_Section, frozen=True):

@@ -65,12 +65,14 @@ class GatewayError(Exception):
         *,
         detail: list[dict[str, Any]] | None = None,
         headers: Mapping[str, str] | None = None,
+        store: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.detail = detail
         self.headers = dict(headers or {})
+        self.store = store  # the part of the state store that failed (a metric label)
 
     @property
     def status(self) -> int:
@@ -107,4 +109,4 @@ STORE_RETRY_AFTER_S = 5
 def store_unavailable(store: str) -> GatewayError:
     """503 while a part of the state store cannot be reached: the one wording, one Retry-After."""
     return GatewayError(ErrorKind.UNAVAILABLE, f"the {store} is unreachable; try again shortly",
-                        headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+                        headers={"Retry-After": str(STORE_RETRY_AFTER_S)}, store=store)

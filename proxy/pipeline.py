@@ -39,6 +39,7 @@ from proxy.appkeys import (
     CONFIG,
     LEDGER,
     LIVE,
+    METRICS,
     REDIS,
     REQUEST_ID,
     RESPONSE_HEADERS,
@@ -55,6 +56,7 @@ from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_
 from proxy.families.handlers import Answer, Ctx, Family, Job, TaskResult
 from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
+from proxy.observe.trace import TRACE
 from proxy.outcome import Outcome
 from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, completion_cap, tier_of
@@ -96,12 +98,14 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     snapshot = app[LIVE].current  # one policy version for the whole request
     config = app[CONFIG]
     principal = await snapshot.auth.principal(request.headers, request.remote)
+    _traced(request, principal)
     tier = tier_of(snapshot.policies.tiers, principal.tier)
     try:
         raw = await read_capped(request, config.policies.requests.chat.max_body_bytes)
         call = parsed_call(style, parse_json_object(raw))
         mode = choose_mode(app[ROUTER], "chat", call.model, call.mode, stream=call.stream)
         app[ROUTER].require("chat", call.model)  # 404: no such chat model, before access
+        request[TRACE].model = call.model
         check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
                      mode=mode)
         pool = app[ROUTER].pool("chat", call.model, mode)  # 404: not offered in that mode
@@ -149,6 +153,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
                         request.path, result.status, result.chunks.chunks if result.chunks else 0,
                         request_id)
         meter.settle(app[SETTLER], app[LEDGER].settle_script, result)
+        _settled(request, meter.meter)
         if claimed and claim is not None:
             _keep_or_release(request, claim, result, response)
 
@@ -161,6 +166,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     snapshot = app[LIVE].current
     policies = snapshot.policies
     principal = await snapshot.auth.principal(request.headers, request.remote)
+    _traced(request, principal)
     tier = tier_of(policies.tiers, principal.tier)
     try:
         body = await family.read(request, policies)
@@ -173,6 +179,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
             check_access(policies.tiers, principal.tier, family=family.name, model=model,
                          mode=mode)
         pool = family.pool(app[ROUTER], job, policies, mode)  # 404 (not in that mode)
+        request[TRACE].model = pool.model
         if model is None:
             check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                          mode=mode)
@@ -200,6 +207,23 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
             result.used = Units()  # failed before the answer went out: nothing to charge
         meter.charge(app[SETTLER], app[LEDGER].settle_script, result.status,
                      units_cost(rates, result.used), result.used.counts(), {})
+        _settled(request, meter)
+
+
+def _traced(request: web.Request, principal: Principal) -> None:
+    trace = request[TRACE]
+    trace.tier = principal.tier
+    if principal.kind != "guest":
+        trace.account = principal.account
+
+
+def _settled(request: web.Request, meter: Meter) -> None:
+    """What the settlement charges, on the request's trace and in the metrics."""
+    if meter.charged is None:
+        return
+    trace = request[TRACE]
+    trace.cost, trace.units = meter.charged
+    request.app[METRICS].settled(meter.model, meter.principal.tier, *meter.charged)
 
 
 async def _count_refused(request: web.Request, principal: Principal, tier: TierPolicy) -> None:
@@ -297,7 +321,7 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: 
         except UpstreamFailure:
             result.chunks = None  # nothing reached the client: nothing to charge
             raise
-        result.status = stream.outcome
+        result.status = request[TRACE].outcome = stream.outcome
         return response
 
     return await app[UPSTREAMS].call(pool, CHAT_UPSTREAM_PATH, body_for, headers,

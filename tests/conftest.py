@@ -156,7 +156,7 @@ async def clean_redis(redis_server: RedisProcess) -> RedisProcess:
 @pytest.fixture
 async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[GatewayFactory]:
     """Start a gateway whose backends.toml lists the given upstream servers (`server` fills
-    its [server] section).
+    its [server] section, `settings` its [gateway] section).
 
     The server gets an `api_key` attribute: a max-tier key for clients that need one.
     """
@@ -168,7 +168,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
                     upstream: dict[str, Any] | None = None,
                     server: dict[str, Any] | None = None,
                     policies: dict[str, str] | None = None,
-                    resolver: AbstractResolver | None = None) -> TestServer:
+                    resolver: AbstractResolver | None = None,
+                    settings: dict[str, Any] | None = None) -> TestServer:
         backends = []
         for i, up in enumerate(upstreams):
             if isinstance(up, dict):
@@ -180,7 +181,7 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
             })
         policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
         folder = write_config(tmp_path / "config", backends, upstream=upstream, server=server,
-                              policies=policies)
+                              policies=policies, gateway=settings)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url,
                                          resolver=resolver)
         gw = GatewayTestServer(app)

@@ -518,6 +518,11 @@ HEALTHZ: Final = Doc(
     summary="Alive: the process answers", responses={200: Response("Alive", Health)},
     tags=("meta",), security=(), drains=False,
 )
+METRICS: Final = Doc(
+    summary="Prometheus metrics of every worker (text exposition format; README: Monitoring)",
+    responses={200: Response("The metrics", None, "text/plain; version=0.0.4")},
+    tags=("meta",), security=(), drains=False,
+)
 READYZ: Final = Doc(
     summary="Ready: not draining, Redis answers, a backend may take traffic",
     responses={200: Response("Ready", Ready), 503: Response("Not ready", Ready)},

@@ -59,6 +59,7 @@ class Meter:
     hold: Hold | None  # None for guests
     stage: Stage = Stage.BEFORE
     started: float = field(default_factory=time.monotonic)
+    charged: tuple[int, dict[str, int]] | None = None  # (cost, units) of the settlement queued
     _settled: bool = False
 
     def charge(self, settler: Settler, script: AsyncScript, status: Outcome, cost: int,
@@ -85,6 +86,7 @@ class Meter:
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
             self.hold.amount if self.hold else 0, status, self.model, units, entry, keep, ttl)
         settler.settle(script, keys, args)
+        self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing
 
 
 def open_meter(prices: PricesPolicy, principal: Principal, model: str, mode: str, route: str,

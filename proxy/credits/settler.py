@@ -23,6 +23,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.credits.ledger import Arg
+from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("proxy.settler")
 
@@ -34,9 +35,11 @@ MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are 
 
 
 class Settler:
-    def __init__(self, redis: Redis, scripts: Sequence[AsyncScript]) -> None:
+    def __init__(self, redis: Redis, scripts: Sequence[AsyncScript],
+                 metrics: Metrics | None = None) -> None:
         self._redis = redis
         self._scripts = tuple(scripts)
+        self._metrics = metrics
         self._queue: list[Write] = []
         self._flushing = 0
         self._wake = asyncio.Event()
@@ -100,6 +103,8 @@ class Settler:
             except NoScriptError:
                 await self._load_scripts()  # Redis restarted without them: load, then again
             except RedisError as exc:
+                if self._metrics is not None:
+                    self._metrics.redis_errors.labels("settlement").inc()
                 if attempt == len(RETRY_DELAYS_S):
                     break
                 log.warning("settlement batch of %d failed (%s); retrying", len(batch),
@@ -115,5 +120,7 @@ class Settler:
 
     def _lose(self, count: int) -> None:
         self.lost += count
+        if self._metrics is not None:
+            self._metrics.settlements_lost.inc(count)
         log.error("%d settlement write(s) lost after retries; their holds expire and are "
                   "released by the sweeper", count)

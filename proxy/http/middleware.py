@@ -1,5 +1,5 @@
-"""The one middleware: a request id, header-name hygiene, the drain gate, and every error in the
-documented shape."""
+"""The one middleware: a request id, header-name hygiene, the drain gate, every error in the
+documented shape, and each request's metrics and access-log line (proxy.observe)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,19 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.appkeys import DRAIN, REQUEST_ID, RESPONSE_HEADERS, ROUTE_STYLES, STYLE
+from proxy.appkeys import (
+    ACCESS_LOG,
+    DRAIN,
+    METRICS,
+    REQUEST_ID,
+    RESPONSE_HEADERS,
+    ROUTE_STYLES,
+    STYLE,
+)
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import request_id_from
 from proxy.ids import hex_id
+from proxy.observe.trace import CURRENT, TRACE, Trace
 
 log = logging.getLogger("proxy")
 
@@ -21,14 +30,38 @@ _HTTP_KINDS = {
     413: ErrorKind.PAYLOAD_TOO_LARGE,
     415: ErrorKind.UNSUPPORTED_MEDIA_TYPE,
 }
-# Answered while draining: the load balancer must keep seeing them.
-_ALWAYS_SERVED = frozenset({"/healthz", "/readyz"})
+# Answered while draining: the load balancer and Prometheus must keep seeing them. Polled every
+# few seconds, they are counted in the metrics but not access-logged.
+_ALWAYS_SERVED = frozenset({"/healthz", "/readyz", "/metrics"})
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before its answer
 
 
 @web.middleware
 async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request_id_from(request.headers.get("X-Request-Id"), hex_id())
     request[REQUEST_ID] = request_id
+    resource = request.match_info.route.resource
+    trace = Trace(resource.canonical if resource is not None else "unmatched")
+    request[TRACE] = trace
+    context = CURRENT.set(trace)
+    metrics = request.app[METRICS]
+    in_flight = metrics.in_flight.labels(trace.route)
+    in_flight.inc()
+    status = CLIENT_CLOSED  # unless an answer is made: the handler was cancelled
+    try:
+        response = await _answer(request, handler, request_id, trace)
+        status = response.status
+        return response
+    finally:
+        in_flight.dec()
+        CURRENT.reset(context)
+        metrics.answered(trace, status)
+        if request.path not in _ALWAYS_SERVED:
+            request.app[ACCESS_LOG].write(request, trace, status, request_id)
+
+
+async def _answer(request: web.Request, handler: Handler, request_id: str,
+                  trace: Trace) -> web.StreamResponse:
     style = request.app[ROUTE_STYLES].get(request.match_info.handler)
     if style is not None:  # errors in the route's own shape, from here on
         request[STYLE] = style
@@ -53,6 +86,9 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
                 drain.leave()
     except GatewayError as exc:
         response = error_response(request, exc)
+        trace.error = exc.kind.type
+        if exc.store is not None:
+            request.app[METRICS].redis_errors.labels(exc.store).inc()
         if exc.status >= 500:  # the operator's business: upstream failures, outages
             log.warning("%s %s -> %d %s (request %s)", request.method, request.path,
                         exc.status, exc.kind.type, request_id)
@@ -62,12 +98,14 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
         kind = _HTTP_KINDS.get(exc.status, ErrorKind.INVALID_REQUEST)
         message = "no such route" if exc.status == 404 else exc.reason
         response = error_response(request, GatewayError(kind, message))
+        trace.error = kind.type
         if exc.status == 405:
             response.headers["Allow"] = exc.headers.get("Allow", "")
     except Exception:
         # Our bug, not the client's: log it here, never send its text.
         log.exception("unhandled error", extra={"request_id": request_id})
         response = error_response(request, GatewayError(ErrorKind.INTERNAL_ERROR, "internal error"))
+        trace.error = ErrorKind.INTERNAL_ERROR.type
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
         extra = request.get(RESPONSE_HEADERS)

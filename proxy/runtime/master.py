@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -45,6 +46,7 @@ from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_
 log = logging.getLogger("proxy.runtime.master")
 
 WORKER_ENV = "IGW_WORKER"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client reads it at import
 _EXIT_SLACK_S = 6.0  # beyond the drain: cutting the last streams (2 s), cleanup (2.5 s), exit
 
 
@@ -132,6 +134,7 @@ class Master:
                 backoff.ready(time.monotonic())  # a worker that lived 10 s counts as stable
                 code = await proc.wait()
                 del self.workers[index]
+                _forget_live_metrics(proc.pid)
             if self._stop.is_set():
                 return
             delay = backoff.exited(time.monotonic())
@@ -195,12 +198,31 @@ def serve(config: Config, *, host: str | None, port: int | None,
             limits = RedisProcess(config.data_dir / "redis-limits", persistent=False)
             embedded.append(SupervisedRedis("rate-limit", limits))
             os.environ[RATE_LIMIT_URL_ENV] = limits.url  # inherited by the workers
+    _metrics_dir(config)
     models = ", ".join(app_models(config)) or "none"
     supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
     print(f"inference gateway on http://{host}:{port} (redis: {where}; models: "
           f"{models}; workers: {count}; supervised backends: {supervised})", flush=True)
     return run_master(config, host=host, port=port, workers=count, redis_url=redis_url,
                       embedded=embedded)
+
+
+def _metrics_dir(config: Config) -> None:
+    """A fresh folder for the workers' metric files (prometheus-client's multiprocess mode:
+    /metrics sums them). Emptied at each start: counters restart from zero with the gateway,
+    as Prometheus expects of a restarted target. Inherited by the workers."""
+    folder = Path(os.environ.get(MULTIPROC_ENV) or config.data_dir / "metrics")
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):
+        stale.unlink()
+    os.environ[MULTIPROC_ENV] = str(folder.resolve())
+
+
+def _forget_live_metrics(pid: int) -> None:
+    """A dead worker's in-flight gauge must not count any more."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
 def app_models(config: Config) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any, cast
 import orjson
 from aiohttp import web
 
-from proxy.appkeys import LEDGER, LIVE, ROUTER, SETTLER, TASKS
+from proxy.appkeys import LEDGER, LIVE, METRICS, ROUTER, SETTLER, TASKS
 from proxy.credits.meter import ChatMeter, Meter, Result, Stage
 from proxy.credits.pricing import units_cost
 from proxy.errors import ErrorKind, GatewayError
@@ -65,6 +65,9 @@ async def run_task(app: web.Application, routes: dict[str, Runnable], account: s
         await store.finish(account, task_id, ttl_s=ttl, error={
             "type": exc.kind.type, "message": exc.message, "status": exc.status,
             **({"detail": exc.detail} if exc.detail is not None else {})})
+    finally:
+        if meter.charged is not None:
+            app[METRICS].settled(meter.model, meter.principal.tier, *meter.charged)
 
 
 async def _produce(family: Family, ctx: Ctx, spec: TaskSpec) -> Answer:

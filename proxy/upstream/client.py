@@ -32,6 +32,8 @@ import orjson
 
 from proxy.config import UpstreamSection
 from proxy.errors import ErrorKind, GatewayError
+from proxy.observe.metrics import Metrics
+from proxy.observe.trace import current_backend
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
 
 log = logging.getLogger("proxy.upstream")
@@ -60,8 +62,9 @@ class UpstreamFailure(GatewayError):
 class Upstreams:
     """One ClientSession per worker process, shared by every backend (keep-alive pooling)."""
 
-    def __init__(self, settings: UpstreamSection) -> None:
+    def __init__(self, settings: UpstreamSection, metrics: Metrics) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
             # The read timeout is first_byte until data flows, then idle (see `exchange`).
@@ -78,6 +81,25 @@ class Upstreams:
 
     async def close(self) -> None:
         await self.session.close()
+
+    def _failed(self, backend: Backend, kind: str) -> None:
+        name = self.metrics.labels.backend(backend.name)
+        self.metrics.upstream_failures.labels(name, kind).inc()
+        backend.probe_soon()  # a dead server fails its probe: out at once, not after N errors
+        if backend.record_failure():
+            self.metrics.ejections.labels(name).inc()
+            until = backend.health.ejected_until or 0.0
+            log.warning("backend %r ejected for %.0f s after %d failure(s) in a row",
+                        backend.name, until - time.monotonic(),
+                        backend.health.consecutive_failures)
+
+    def _record_status(self, backend: Backend, status: int) -> None:
+        if status in _NEUTRAL_STATUSES:
+            return
+        if status >= 500 or status == 424:  # 424: TGI's "generation failed"
+            self._failed(backend, f"status_{status // 100}xx" if status != 424 else "status_424")
+        else:
+            backend.record_success()  # it judged a bad request properly: alive and well
 
     def abort_open(self) -> int:
         """Close every upstream response still being read (the drain deadline passed).
@@ -135,38 +157,45 @@ class Upstreams:
         request, which is the only cancellation signal inference servers understand.
         """
         backend.outstanding += 1
+        metrics = self.metrics
+        in_flight = metrics.backend_in_flight.labels(metrics.labels.backend(backend.name))
+        in_flight.inc()
         try:
+            current_backend(backend.name)
+            sent_at = time.monotonic()
             try:
                 response = await self.session.post(
                     backend.url(path), data=_payload(body), headers=headers,
                     allow_redirects=False,
                 )
             except aiohttp.ClientConnectorError:
-                _failed(backend)
+                self._failed(backend, "unreachable")
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} is unreachable",
                                       retryable=True) from None
             except (aiohttp.ServerTimeoutError, TimeoutError):
-                _failed(backend)
+                self._failed(backend, "timeout")
                 raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
                                       f"backend {backend.name!r} did not answer in time",
                                       retryable=False) from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                 # Closed or reset before any response byte (a server going down mid-request):
                 # nothing reached the client, so another backend may answer it.
-                _failed(backend)
+                self._failed(backend, "disconnected")
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} closed the connection",
                                       retryable=True) from None
             except aiohttp.ClientError:
-                _failed(backend)
+                self._failed(backend, "bad_response")
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} sent an unusable response",
                                       retryable=False) from None
+            self.metrics.upstream_latency.labels(self.metrics.labels.backend(backend.name)
+                                                 ).observe(time.monotonic() - sent_at)
             self._open.add(response)
             try:
                 if response.status >= 400:
-                    _record_status(backend, response.status)
+                    self._record_status(backend, response.status)
                     raise await _failure_from(backend, response)
                 protocol = response.connection.protocol if response.connection else None
                 if protocol is not None:
@@ -179,12 +208,12 @@ class Upstreams:
                     yield response
                 except GatewayError as exc:
                     if exc.kind in _UPSTREAM_KINDS and not self._aborting:
-                        _failed(backend)  # the body was unusable or broke off
+                        self._failed(backend, "bad_body")  # the body was unusable or broke off
                     raise
                 if self._aborting:
                     pass  # cut by our own drain: says nothing about the backend
                 elif response.content.exception() is not None:
-                    _failed(backend)  # the stream broke off or went silent
+                    self._failed(backend, "stream_broken")  # the stream broke off or went silent
                 else:
                     backend.record_success()
             except BaseException:
@@ -196,6 +225,7 @@ class Upstreams:
                 response.release()
         finally:
             backend.outstanding -= 1
+            in_flight.dec()
 
 
 _LARGE_BODY = 1024 * 1024  # aiohttp writes bigger raw bytes in one go, blocking the loop
@@ -228,23 +258,6 @@ async def read_answer(upstream: aiohttp.ClientResponse, cap: int) -> bytes:
         raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR, "the model server broke off its answer",
                               retryable=True) from None
     return b"".join(parts)
-
-
-def _failed(backend: Backend) -> None:
-    backend.probe_soon()  # a dead server fails its probe: out at once, not after N errors
-    if backend.record_failure():
-        until = backend.health.ejected_until or 0.0
-        log.warning("backend %r ejected for %.0f s after %d failure(s) in a row", backend.name,
-                    until - time.monotonic(), backend.health.consecutive_failures)
-
-
-def _record_status(backend: Backend, status: int) -> None:
-    if status in _NEUTRAL_STATUSES:
-        return
-    if status >= 500 or status == 424:  # 424: TGI's "generation failed"
-        _failed(backend)
-    else:
-        backend.record_success()  # it judged a bad request properly: alive and well
 
 
 async def _failure_from(backend: Backend, response: aiohttp.ClientResponse) -> UpstreamFailure:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from proxy.errors import ErrorKind, GatewayError
 from proxy.http.sse import DONE, Event, SSEDecoder
+from proxy.observe.trace import TRACE
 from proxy.outcome import Outcome
 from proxy.styles.base import StreamEncoder
 from proxy.upstream.client import UpstreamFailure
@@ -132,6 +133,9 @@ async def _send(request: web.Request, response: web.StreamResponse, data: bytes,
     try:
         if not response.prepared:
             await response.prepare(request)
+            trace = request.get(TRACE)
+            if trace is not None:
+                trace.first_byte()  # the first content event goes out now
         await response.write(data)
     except (ConnectionError, aiohttp.ClientConnectionError) as exc:
         raise ClientGone from exc

@@ -11,11 +11,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from proxy.config import ConfigError, load_config
 from proxy.credits.ledger import AccountKeys, Ledger, lua_script, settle_call
 from proxy.credits.settler import Settler
+from proxy.observe.metrics import Labels, Metrics
 from proxy.runtime.redis_process import RedisProcess
 from tests.conftest import (
     MODEL,
@@ -328,13 +330,19 @@ async def test_a_failed_settlement_is_retried_until_redis_answers(
         ledger = Ledger(redis)
         await ledger.credit("acme", 1000, {})
         hold = await ledger.hold("acme", 100, ttl_s=60)
-        settler = Settler(redis, [ledger.settle_script])
+        metrics = Metrics(Labels((), frozenset, ()), CollectorRegistry())
+        settler = Settler(redis, [ledger.settle_script], metrics)
         keys, args = settle_call("acme", hold, 40, 100, "completed", MODEL,
                                  {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0)
         await admin.execute_command("CLIENT", "PAUSE", "400")  # Redis stops answering a while
         settler.settle(ledger.settle_script, keys, args)
         await settler.flush()  # times out, backs off, retries until it lands
         assert settler.lost == 0
+        # Each failed attempt is an operator-visible Redis error; nothing was lost.
+        errors = metrics.registry.get_sample_value("igw_redis_errors_total",
+                                                   {"store": "settlement"})
+        assert errors is not None and errors >= 1
+        assert metrics.registry.get_sample_value("igw_settlements_lost_total") == 0
         balance = await ledger.balance("acme")
         assert (balance.held, balance.spent) == (0, 40)
         assert await ledger.reconcile(["acme"]) == []

@@ -218,6 +218,20 @@ async def test_killed_backend_is_restarted_and_traffic_resumes(
     after = await settled_view(stack.url, "sim-a",
                                lambda b: b["pid"] != victim.pid and b["state"] == "ready")
     assert after["state"] == "ready" and after["restarts"] == 1
+    # The operator's view of the same, from whichever worker answers (each follows the
+    # supervisor's records every 0.5 s).
+    wanted = ('igw_backend_restarts_total{backend="sim-a"} 1.0',
+              'igw_backend_state{backend="sim-a",state="ready"} 1.0',
+              f'igw_backend_up{{backend="sim-a",kind="vllm",model="{MODEL}"}} 1.0')
+    deadline = time.monotonic() + 5
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(stack.url + "/metrics") as r:
+                scraped = await r.text()
+            if all(line in scraped for line in wanted):
+                break
+            assert time.monotonic() < deadline, [line for line in wanted if line not in scraped]
+            await asyncio.sleep(0.1)
     assert gone(victim) and not psutil.pid_exists(victim.pid)  # reaped: no zombie
     assert resumed < 6, resumed
     log = stack.log.read_text()

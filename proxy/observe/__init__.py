@@ -1,0 +1,1 @@
+"""What the gateway tells operators: metrics, the access log."""

@@ -1,0 +1,102 @@
+"""`GET /metrics`: the Prometheus text of the whole process group.
+
+What the workers count (proxy.observe.metrics) is summed over every worker's files in
+multiprocess mode, or read from this process's registry when it runs alone (tests, embedding).
+Then what is only true now is read at scrape time by the worker that answers: its view of each
+backend's health, the supervisor's word on supervised backends (state,
+restarts: from the fleet records every worker follows), and the async task queue (Redis).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from proxy.appkeys import METRICS, REDIS, ROUTER
+from proxy.runtime.fleet_state import BACKING_OFF, READY, STARTING, STOPPED, UNHEALTHY
+from proxy.runtime.master import MULTIPROC_ENV
+from proxy.tasks.store import GROUP, QUEUE
+from proxy.upstream.pool import Backend
+
+# Read at scrape time (not counted by the workers): the dashboard's test checks against these.
+SCRAPE_TIME_METRICS = ("igw_backend_up", "igw_backend_state", "igw_backend_restarts",
+                       "igw_task_queue_depth")
+_STATES = (STARTING, READY, UNHEALTHY, BACKING_OFF, STOPPED)
+
+log = logging.getLogger("proxy.observe")
+
+
+class _Families:
+    """A one-off collector: metric families already built for this scrape."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    registry = CollectorRegistry()
+    if os.environ.get(MULTIPROC_ENV):
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    else:
+        registry.register(_Families(app[METRICS].registry.collect()))
+    queue = await _queue_depth(app[REDIS])
+    registry.register(_Families([*backend_families(app[ROUTER].backends), *queue]))
+    return web.Response(body=generate_latest(registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def backend_families(backends: Iterable[Backend]) -> list[Metric]:
+    """This worker's view of each backend, and the supervisor's records of supervised ones."""
+    up = GaugeMetricFamily("igw_backend_up", "1 while the backend may take requests (this "
+                           "worker's view: supervisor ready, probes and ejections).",
+                           labels=("backend", "model", "kind"))
+    state = GaugeMetricFamily("igw_backend_state", "1 for a supervised backend's state.",
+                              labels=("backend", "state"))
+    restarts = CounterMetricFamily("igw_backend_restarts",
+                                   "Restarts of a supervised backend by the supervisor.",
+                                   labels=("backend",))
+    for backend in backends:
+        for model in backend.spec.models:
+            up.add_metric((backend.name, model, backend.spec.kind),
+                          1.0 if backend.healthy else 0.0)
+        record = backend.record
+        if backend.supervised:
+            current = record.state if record is not None else STARTING
+            for name in _STATES:
+                state.add_metric((backend.name, name), 1.0 if name == current else 0.0)
+            restarts.add_metric((backend.name,), record.restarts if record else 0)
+    return [up, state, restarts]
+
+
+async def _queue_depth(redis: Redis) -> list[Metric]:
+    """Async tasks waiting for a runner and running now (a runner deletes an entry when done,
+    so the stream holds exactly these; the group's pending ones are running)."""
+    depth = GaugeMetricFamily("igw_task_queue_depth", "Async tasks waiting and running.",
+                              labels=("state",))
+    try:
+        length = await redis.xlen(QUEUE)
+        running = 0
+        if length:
+            summary: Any = await redis.xpending(QUEUE, GROUP)
+            running = int(summary.get("pending", 0)) if isinstance(summary, dict) else 0
+    except RedisError as exc:
+        if "NOGROUP" not in str(exc):
+            log.warning("task queue depth unreadable (%s)", type(exc).__name__)
+            return []  # absent rather than wrong: Prometheus shows the gap
+        running = 0
+    depth.add_metric(("waiting",), max(0, length - running))
+    depth.add_metric(("running",), running)
+    return [depth]

@@ -1,0 +1,188 @@
+"""`/metrics` and the access log after real traffic: gateway -> real simulator, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+
+from proxy.credits.ledger import Ledger
+from tests.conftest import (
+    GENEROUS_TIERS,
+    MODEL,
+    GatewayFactory,
+    SimulatorFactory,
+    new_key,
+    settled,
+)
+
+CHAT = "/v2/compat/v1/chat/completions"
+ROUTE = "/v2/compat/v1/chat/completions"  # the route template: this route has no parameters
+HELLO = [{"role": "user", "content": "Say hello."}]
+# A tier that allows one request a minute, to see 429s counted.
+TIERS = GENEROUS_TIERS + """
+[tiers.basic]
+requests_per_minute = 1
+families = ["chat"]
+models = { "*" = ["direct"] }
+"""
+PRICES = f"""
+version = "test-v1"
+default_max_tokens = 100
+[models."{MODEL}"]
+prompt_per_1k_tokens = 1000
+completion_per_1k_tokens = 10000
+"""
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(gw: TestServer) -> tuple[str, Samples]:
+    async with aiohttp.ClientSession() as session, session.get(gw.make_url("/metrics")) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return text, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sum over the samples of `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+async def fund(redis_url: str, *accounts: str) -> None:
+    redis = Redis.from_url(redis_url)
+    try:
+        for account in accounts:
+            await Ledger(redis).credit(account, 10**9, {"reason": "test"})
+    finally:
+        await redis.aclose()
+
+
+async def chat(gw: TestServer, key: str | None, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session, session.post(
+            gw.make_url(CHAT), data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", **auth, **(headers or {})}) as r:
+        return r.status, await r.read()
+
+
+async def test_a_scrape_after_mixed_traffic(simulator: SimulatorFactory,
+                                            gateway: GatewayFactory, clean_redis: Any) -> None:
+    sim = await simulator("vllm")
+    gw = await gateway(sim, policies={"tiers.toml": TIERS, "prices.toml": PRICES})
+    key: str = gw.api_key  # type: ignore[attr-defined]
+    basic = await new_key(clean_redis.url, tier="basic", account="acct-basic")
+    await fund(clean_redis.url, "acct-test", "acct-basic")
+    _, before = await scrape(gw)
+
+    status, body = await chat(gw, key, {"model": MODEL, "messages": HELLO})
+    assert status == 200
+    usage = orjson.loads(body)["usage"]
+    status, _ = await chat(gw, key, {"model": MODEL, "messages": HELLO, "stream": True})
+    assert status == 200
+    assert (await chat(gw, "sk-not-a-real-key", {"model": MODEL, "messages": HELLO}))[0] == 401
+    evil = "acme/../../secret-model-name"  # client text must never become a label
+    assert (await chat(gw, key, {"model": evil, "messages": HELLO}))[0] == 404
+    assert (await chat(gw, basic, {"model": MODEL, "messages": HELLO}))[0] == 200
+    assert (await chat(gw, basic, {"model": MODEL, "messages": HELLO}))[0] == 429
+    status, _ = await chat(gw, key, {"model": MODEL, "messages": HELLO, "stream": True},
+                           {"x-sim-cut-after": "3"})
+    assert status == 200  # the stream broke after its 200: an in-band error event
+    assert (await chat(gw, None, {"model": MODEL, "messages": HELLO}))[0] == 200  # a guest
+    await settled(gw)
+    text, after = await scrape(gw)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    ok = {"route": ROUTE, "model": MODEL, "tier": "max", "status": "200"}
+    assert delta("igw_requests_total", **ok) == 3
+    assert delta("igw_request_duration_seconds_count", **ok) == 3
+    assert delta("igw_requests_total", route=ROUTE, tier="", status="401") == 1
+    assert delta("igw_denied_total", type="invalid_api_key") == 1
+    assert delta("igw_requests_total", route=ROUTE, model="", tier="max", status="404") == 1
+    assert delta("igw_errors_total", route=ROUTE, type="not_found") == 1
+    assert delta("igw_rate_limited_total", tier="basic") == 1
+    assert delta("igw_requests_total", route=ROUTE, tier="basic", status="429") == 1
+    assert delta("igw_time_to_first_token_seconds_count", route=ROUTE, model=MODEL) == 2
+    assert delta("igw_stream_endings_total", route=ROUTE, outcome="completed") == 1
+    assert delta("igw_stream_endings_total", route=ROUTE, outcome="cut") == 1
+    assert delta("igw_upstream_failures_total", backend="b0", type="stream_broken") == 1
+    assert delta("igw_upstream_response_seconds_count", backend="b0") == 5  # 200s and the cut
+    assert delta("igw_tokens_total", model=MODEL, kind="prompt") >= usage["prompt_tokens"]
+    assert delta("igw_requests_in_flight") == 0
+    assert value(after, "igw_backend_up", backend="b0", model=MODEL, kind="vllm") == 1
+    assert value(after, "igw_backend_in_flight", backend="b0") == 0
+    assert value(after, "igw_task_queue_depth", state="waiting") == 0
+    # Credits: what the ledger says both accounts spent, to the micro-credit.
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        ledger = Ledger(redis)
+        spent = sum([(await ledger.balance(a)).spent for a in ("acct-test", "acct-basic")])
+    finally:
+        await redis.aclose()
+    charged = delta("igw_credits_charged_total", model=MODEL)
+    assert spent > 0 and abs(charged - spent / 1e6) < 1e-9
+    assert delta("igw_credits_charged_total", model=MODEL, tier="basic") > 0
+    assert delta("igw_credits_charged_total", tier="guest") == 0  # guests pay nothing ...
+    assert delta("igw_requests_total", tier="guest", status="200") == 1  # ... but are counted
+    # Label values come from fixed sets: no key, account or client text.
+    for secret in (key, basic, "acct-test", "acct-basic", evil, "sk-not-a-real-key"):
+        assert secret not in text
+
+
+async def test_access_log_lines(simulator: SimulatorFactory, gateway: GatewayFactory,
+                                tmp_path: Path, clean_redis: Any) -> None:
+    sim = await simulator("vllm")
+    gw = await gateway(sim, settings={"access_log": "logs/access.jsonl"},
+                       policies={"prices.toml": PRICES})
+    key: str = gw.api_key  # type: ignore[attr-defined]
+    await fund(clean_redis.url, "acct-test")
+    status, _ = await chat(gw, key, {"model": MODEL, "messages": HELLO},
+                           {"X-Request-Id": "client-req-1"})
+    assert status == 200
+    await chat(gw, key, {"model": MODEL, "messages": HELLO, "stream": True},
+               {"x-sim-cut-after": "2", "X-Request-Id": "client-req-2"})
+    await chat(gw, key, {"model": MODEL, "messages": HELLO}, {"x-sim-status": "500",
+                                                               "X-Request-Id": "client-req-3"})
+    await chat(gw, None, {"model": MODEL, "messages": HELLO, "secret": "in-the-body"},
+               {"Authorization": "Bearer sk-wrong-key", "X-Request-Id": "client-req-4"})
+    async with aiohttp.ClientSession() as session:
+        await (await session.get(gw.make_url("/healthz"))).read()
+    await settled(gw)
+    path = tmp_path / "config" / "logs" / "access.jsonl"
+    lines: list[dict[str, Any]] = []
+    for _ in range(100):  # written by the log's own thread
+        if path.exists():
+            lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+        if len(lines) >= 4:
+            break
+        await asyncio.sleep(0.02)
+    by_id = {line["request_id"]: line for line in lines}
+    assert set(by_id) == {"client-req-1", "client-req-2", "client-req-3", "client-req-4"}
+    ok = by_id["client-req-1"]
+    assert ok["route"] == ROUTE and ok["status"] == 200 and ok["method"] == "POST"
+    assert ok["model"] == MODEL and ok["tier"] == "max" and ok["account"] == "acct-test"
+    assert ok["backend"] == "b0" and ok["units"]["completion_tokens"] > 0 and ok["credits"] > 0
+    assert ok["latency_ms"] >= 0 and "error" not in ok
+    cut = by_id["client-req-2"]
+    assert cut["status"] == 200 and cut["outcome"] == "cut" and cut["first_byte_ms"] >= 0
+    assert by_id["client-req-3"]["status"] == 502
+    assert by_id["client-req-3"]["error"] == "upstream_error"
+    denied = by_id["client-req-4"]
+    assert denied["status"] == 401 and denied["error"] == "invalid_api_key"
+    assert "account" not in denied
+    text = path.read_text()
+    for secret in (key, "sk-wrong-key", "in-the-body", "Authorization"):
+        assert secret not in text

@@ -1,0 +1,106 @@
+"""`/metrics` under `serve` with two workers: whichever worker answers the scrape, it counts every
+worker's requests, a killed worker's counts included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.runtime.redis_process import RedisProcess
+from tests.conftest import GENEROUS_TIERS, MODEL, free_port, write_config
+from tests.runtime.test_serve_cli import wait_until_ready
+
+CHAT = "/v2/compat/v1/chat/completions"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def served(tmp_path: Path, clean_redis: RedisProcess) -> Iterator[tuple[str, Path]]:
+    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    sim_port, port = free_port(), free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
+                            str(sim_port), "--model", MODEL], env=env)
+    folder = write_config(tmp_path / "config", [{
+        "name": "b0", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL]}],
+        gateway={"access_log": "off"}, policies={"tiers.toml": GENEROUS_TIERS})
+    with (tmp_path / "gateway.log").open("wb") as log:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port",
+             str(port), "--workers", "2"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
+            wait_until_ready(f"http://127.0.0.1:{port}/readyz", gateway)
+            yield f"http://127.0.0.1:{port}", folder
+        finally:
+            for proc in (gateway, sim):
+                proc.terminate()
+                proc.wait(15)
+
+
+def requests_counted(url: str) -> tuple[float, float]:
+    """(chat requests answered 200, requests in flight) in one scrape, on a new connection
+    (so any worker may answer it)."""
+    text = httpx.get(f"{url}/metrics", headers={"Connection": "close"}).text
+    answered = in_flight = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (sample.name == "igw_requests_total" and sample.labels["route"] == CHAT
+                    and sample.labels["status"] == "200"):
+                answered += sample.value
+            elif sample.name == "igw_requests_in_flight":
+                in_flight += sample.value
+    return answered, in_flight
+
+
+def worker_pids(url: str) -> list[int]:
+    port = url.rsplit(":", 1)[1]
+    master = next(p for p in psutil.process_iter(["cmdline"])
+                  if "serve" in (p.info["cmdline"] or []) and port in p.info["cmdline"])
+    pids = []
+    for child in master.children():
+        try:
+            if (child.status() != psutil.STATUS_ZOMBIE
+                    and "proxy.runtime.worker" in " ".join(child.cmdline())):
+                pids.append(child.pid)
+        except psutil.Error:
+            pass  # gone since it was listed
+    return pids
+
+
+def test_every_workers_requests_are_in_every_scrape(served: tuple[str, Path]) -> None:
+    url, _ = served  # guests may chat on these tiers: no key needed
+    sent, prefixes = 0, set[str]()
+    for _ in range(200):  # new connections until both workers have answered some
+        r = httpx.post(f"{url}{CHAT}", json=BODY, headers={"Connection": "close"})
+        assert r.status_code == 200, r.text
+        sent += 1
+        prefixes.add(r.headers["X-Request-Id"][:16])  # each process has its own id prefix
+        if len(prefixes) == 2 and sent >= 10:
+            break
+    assert len(prefixes) == 2, "the kernel gave every connection to one worker"
+    for _ in range(6):  # whichever worker answers the scrape
+        assert requests_counted(url) == (sent, 1)  # in flight: the scrape itself
+    # A worker killed outright: its counts stay (its files remain), its replacement adds on.
+    os.kill(worker_pids(url)[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(worker_pids(url)) == 2, "the killed worker was not replaced"
+    time.sleep(1.0)  # the replacement binds the port once its app is up
+    for _ in range(5):
+        assert httpx.post(f"{url}{CHAT}", json=BODY, headers={"Connection": "close"}
+                          ).status_code == 200
+        sent += 1
+    for _ in range(6):
+        assert requests_counted(url) == (sent, 1)  # in flight: the scrape itself

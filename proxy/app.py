@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from proxy.api import account, admin, dashboard, models, ollama_discovery, openapi, tasks
 from proxy.api import route_docs as docs
 from proxy.appkeys import (
+    ACCESS_LOG,
     ADMITTER,
     CONFIG,
     COUNTERS,
@@ -56,8 +57,8 @@ from proxy.families.handlers import (
 )
 from proxy.http.middleware import gateway_middleware
 from proxy.identity.keystore import KeyStore
-from proxy.observe.access_log import access_log_ctx
-from proxy.observe.metrics import Labels, Metrics
+from proxy.observe.access_log import AccessLog
+from proxy.observe.metrics import Labels, Metrics, flush_metrics
 from proxy.observe.scrape import metrics
 from proxy.pipeline import chat_route, task_route
 from proxy.policy.admission import Admitter
@@ -202,9 +203,8 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
         (model for backend in config.backends for model in backend.models),
         lambda: app[LIVE].current.policies.tiers.tiers,
         (backend.name for backend in config.backends)), CollectorRegistry())
-    app.cleanup_ctx.extend([access_log_ctx(config.gateway.access_log, config.root),
-                            _state_ctx(redis_url), _upstreams_ctx(resolver), _health_ctx,
-                            _tasks_ctx])
+    app.cleanup_ctx.extend([_observe_ctx, _state_ctx(redis_url), _upstreams_ctx(resolver),
+                            _health_ctx, _tasks_ctx])
     app[ROUTE_STYLES] = {r.handler: r.style for r in ROUTES if r.style is not None}
     for route in ROUTES:
         if route.method == "GET":
@@ -212,6 +212,21 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
         else:
             app.router.add_route(route.method, route.path, route.handler)
     return app
+
+
+async def _observe_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The access log's writer and the metrics' flusher: first up, last down, so requests
+    answered while the rest shuts down are still logged and counted."""
+    config = app[CONFIG]
+    app[ACCESS_LOG] = AccessLog(config.gateway.access_log, config.root)
+    app[ACCESS_LOG].start()
+    flusher = asyncio.create_task(flush_metrics(app[METRICS]))
+    try:
+        yield
+    finally:
+        await stop_task(flusher)
+        app[METRICS].flush()
+        app[ACCESS_LOG].stop()
 
 
 def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None]]:

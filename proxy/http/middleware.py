@@ -45,15 +45,13 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     request[TRACE] = trace
     context = CURRENT.set(trace)
     metrics = request.app[METRICS]
-    in_flight = metrics.in_flight.labels(trace.route)
-    in_flight.inc()
+    metrics.started(trace.route)
     status = CLIENT_CLOSED  # unless an answer is made: the handler was cancelled
     try:
         response = await _answer(request, handler, request_id, trace)
         status = response.status
         return response
     finally:
-        in_flight.dec()
         CURRENT.reset(context)
         metrics.answered(trace, status)
         if request.path not in _ALWAYS_SERVED:

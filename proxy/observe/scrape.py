@@ -47,6 +47,7 @@ class _Families:
 
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
+    app[METRICS].flush()  # this worker's counts up to now; the others' are at most FLUSH_S old
     registry = CollectorRegistry()
     if os.environ.get(MULTIPROC_ENV):
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]

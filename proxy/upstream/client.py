@@ -157,9 +157,7 @@ class Upstreams:
         request, which is the only cancellation signal inference servers understand.
         """
         backend.outstanding += 1
-        metrics = self.metrics
-        in_flight = metrics.backend_in_flight.labels(metrics.labels.backend(backend.name))
-        in_flight.inc()
+        name = self.metrics.upstream_started(backend.name)
         try:
             current_backend(backend.name)
             sent_at = time.monotonic()
@@ -190,8 +188,7 @@ class Upstreams:
                 raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
                                       f"backend {backend.name!r} sent an unusable response",
                                       retryable=False) from None
-            self.metrics.upstream_latency.labels(self.metrics.labels.backend(backend.name)
-                                                 ).observe(time.monotonic() - sent_at)
+            self.metrics.upstream_answered(name, time.monotonic() - sent_at)
             self._open.add(response)
             try:
                 if response.status >= 400:
@@ -225,7 +222,7 @@ class Upstreams:
                 response.release()
         finally:
             backend.outstanding -= 1
-            in_flight.dec()
+            self.metrics.upstream_ended(name)
 
 
 _LARGE_BODY = 1024 * 1024  # aiohttp writes bigger raw bytes in one go, blocking the loop

@@ -186,3 +186,12 @@ async def test_access_log_lines(simulator: SimulatorFactory, gateway: GatewayFac
     text = path.read_text()
     for secret in (key, "sk-wrong-key", "in-the-body", "Authorization"):
         assert secret not in text
+    # logrotate moves the file away: the next line starts a new one.
+    path.rename(path.with_suffix(".1"))
+    await chat(gw, key, {"model": MODEL, "messages": HELLO}, {"X-Request-Id": "client-req-5"})
+    for _ in range(100):
+        if path.exists() and path.read_bytes().endswith(b"\n"):
+            break
+        await asyncio.sleep(0.02)
+    assert [orjson.loads(line)["request_id"] for line in path.read_bytes().splitlines()] == [
+        "client-req-5"]

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import orjson
 from aiohttp import web
 
+from proxy.credits.pricing import format_credits
 from proxy.observe.trace import Trace
 
 QUEUE_MAX = 100_000  # lines waiting for the writer; past it lines are dropped, not awaited
@@ -78,7 +79,7 @@ class AccessLog:
         if trace.units:
             line["units"] = trace.units
         if trace.cost:
-            line["credits"] = trace.cost / 1e6
+            line["credits"] = format_credits(trace.cost)  # as the account API writes them
         self._queue.put(line)
 
     def _run(self, out: _Output) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from fractions import Fraction
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING
 
 from proxy.media.containers import riff_chunks
+
+if TYPE_CHECKING:  # numpy is imported where audio is converted: 12 MB a worker rarely needs
+    import numpy as np
+    import numpy.typing as npt
 
 SPEECH_RATE = 24000
 MAX_CHANNELS = 8
@@ -166,6 +168,8 @@ def is_speech_wav(data: bytes) -> bool:
 
 def _to_float(pcm: Pcm) -> npt.NDArray[np.float64]:
     """Samples as float64 in [-1, 1), shaped (frames, channels)."""
+    import numpy as np
+
     raw = pcm.data[: pcm.frames * pcm.frame_bytes]
     x: npt.NDArray[np.float64]
     if pcm.float_:
@@ -184,6 +188,8 @@ def _to_float(pcm: Pcm) -> npt.NDArray[np.float64]:
 
 
 def _resample(x: npt.NDArray[np.float64], rate: int) -> npt.NDArray[np.float64]:
+    import numpy as np
+
     frames = len(x)
     n_out = round(Fraction(frames * SPEECH_RATE, rate))
     if rate == SPEECH_RATE or frames == 0:
@@ -212,6 +218,8 @@ def to_speech_wav(data: bytes, *, source: str = "wav", pcm_rate: int = SPEECH_RA
         raise ValueError(f"unknown audio source {source!r}")
     if _is_speech(pcm):
         return wav_bytes(pcm.data, SPEECH_RATE)
+    import numpy as np
+
     mono = _to_float(pcm).mean(axis=1)
     out = _resample(mono, pcm.rate)
     ints = np.clip(np.round(out * 32768.0), -32768, 32767).astype("<i2")

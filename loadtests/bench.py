@@ -135,6 +135,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="exit 1 when any check fails")
     p.add_argument("--ledger-fsync", choices=("always", "everysec"), default="always",
                    help="the gateway's embedded ledger Redis appendfsync (default: always)")
+    p.add_argument("--access-log", choices=("stderr", "off"), default="stderr",
+                   help="the gateway's access log (default: stderr, as shipped; written to the "
+                        "gateway's log file here)")
     p.add_argument("--mock", choices=("auto", "nginx", "simulator"), default="auto",
                    help="the upstream to start: auto = nginx when installed (not with --quick), "
                    "else the Python simulator")
@@ -251,7 +254,7 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setu
         config = write_gateway_config(workdir / "config", port=port, backends=[
             Backend("bench", args.kind, upstream, args.model),
             Backend("slow", "vllm", slow_upstream, SLOW_MODEL),
-        ], ledger_fsync=args.ledger_fsync)
+        ], ledger_fsync=args.ledger_fsync, access_log=args.access_log)
         gw = start("gateway", gateway_args(config, port))
         wait_ready(f"{gateway}/readyz", server=gw)
         setup.worker_pid = gateway_worker_pid(gw.pid)

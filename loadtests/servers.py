@@ -170,14 +170,15 @@ class Backend:
 
 
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
-                         ledger_fsync: str = "always") -> Path:
+                         ledger_fsync: str = "always", access_log: str = "stderr") -> Path:
     """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic
     strings, which quotes paths and URLs safely)."""
     q = json.dumps
     folder.mkdir(parents=True, exist_ok=True)
     text = ("[gateway]\n"
             f'host = "127.0.0.1"\nport = {port}\ndata_dir = {q(str(folder / "data"))}\n'
-            f"drain_timeout_s = 2\nledger_fsync = {q(ledger_fsync)}\n\n"
+            f"drain_timeout_s = 2\nledger_fsync = {q(ledger_fsync)}\n"
+            f"access_log = {q(access_log)}\n\n"
             # Probes still run every 5 s, but a mock slowed down by the busy load core must not
             # be ejected mid-run (that would show as 503 "no healthy backend").
             "[health]\ntimeout_s = 10\n")

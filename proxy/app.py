@@ -65,7 +65,7 @@ from proxy.policy.admission import Admitter
 from proxy.reload import RELOADS, LivePolicies
 from proxy.runtime.background import stop_task
 from proxy.runtime.drain import Drain
-from proxy.runtime.fleet_state import fleet_key
+from proxy.runtime.fleet_state import fleet_key, signals_key
 from proxy.runtime.redis_process import connect_redis, rate_limit_redis_url
 from proxy.styles.anthropic import AnthropicStyle
 from proxy.styles.base import ChatStyle
@@ -282,10 +282,11 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     router = app[ROUTER]
     session = probe_session(config.health.timeout_s)
     prober = Prober(router.backends, config.health, session)
-    sync = FleetSync(router.backends, app[REDIS], fleet_key(config.root))
+    signals = signals_key(config.root) if config.health.engine_signals_s > 0 else None
+    sync = FleetSync(router.backends, app[REDIS], fleet_key(config.root), signals)
     tasks: list[asyncio.Task[None]] = []
     try:
-        if sync.backends:
+        if sync.needed:
             await sync.read_once()
             tasks.append(asyncio.create_task(sync.run(prober)))
         await prober.first_round()

@@ -150,6 +150,9 @@ class HealthSection(_Section, frozen=True):
     """Active probes and passive ejection (Envoy-style outlier detection)."""
 
     interval_s: Seconds = 5.0
+    # How often the master reads each vLLM/TGI backend's own load (its /metrics: waiting and
+    # running requests, KV-cache use) for /metrics and /admin/backends; 0 turns it off.
+    engine_signals_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.25
     timeout_s: Seconds = 2.0
     # Passive: this many consecutive failures eject a backend for a cool-down that grows with
     # each ejection (base, doubling, capped); never more than this share of a pool at once.

@@ -202,6 +202,7 @@ def backend_view(backend: Backend) -> dict[str, Any]:
     else:
         state = "unhealthy" if health.probe_down else "ready"
     last = health.last_probe
+    load = backend.load(time.time())
     return {
         "name": backend.name,
         "kind": backend.spec.kind,
@@ -218,6 +219,10 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "pid": record.pid if record is not None else None,
         "last_probe": {"kind": last[0].value, "ok": last[1]} if last is not None else None,
         "max_model_len": dict(backend.max_model_len),  # as the engine reports it (vLLM)
+        # The engine's own load as the master last read it (null: not vLLM/TGI, or stale).
+        "engine": None if load is None else {
+            "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv,
+            "age_s": round(time.time() - load.at, 3)},
     }
 
 

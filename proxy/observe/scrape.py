@@ -4,13 +4,15 @@ What the workers count (proxy.observe.metrics) is summed over every worker's fil
 multiprocess mode, or read from this process's registry when it runs alone (tests, embedding).
 Then what is only true now is read at scrape time by the worker that answers: its view of each
 backend's health, the supervisor's word on supervised backends (state,
-restarts: from the fleet records every worker follows), and the async task queue (Redis).
+restarts: from the fleet records every worker follows), the engines' own load (queue, batch,
+KV cache: scraped by the master), and the async task queue (Redis).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -29,7 +31,8 @@ from proxy.upstream.pool import Backend
 
 # Read at scrape time (not counted by the workers): the dashboard's test checks against these.
 SCRAPE_TIME_METRICS = ("igw_backend_up", "igw_backend_state", "igw_backend_restarts",
-                       "igw_task_queue_depth")
+                       "igw_task_queue_depth", "igw_engine_waiting", "igw_engine_running",
+                       "igw_engine_kv_cache_usage")
 _STATES = (STARTING, READY, UNHEALTHY, BACKING_OFF, STOPPED)
 
 log = logging.getLogger("proxy.observe")
@@ -69,7 +72,20 @@ def backend_families(backends: Iterable[Backend]) -> list[Metric]:
     restarts = CounterMetricFamily("igw_backend_restarts",
                                    "Restarts of a supervised backend by the supervisor.",
                                    labels=("backend",))
+    now = time.time()
+    engine = {name: GaugeMetricFamily(f"igw_engine_{name}", text, labels=("backend",))
+              for name, text in (
+                  ("waiting", "Requests waiting in the engine's own queue (vLLM, TGI)."),
+                  ("running", "Requests in the engine's running batch (vLLM, TGI)."),
+                  ("kv_cache_usage", "Share of the engine's KV cache in use, 0-1 (vLLM; TGI: "
+                                     "of its batch token budget)."))}
     for backend in backends:
+        load = backend.load(now)
+        if load is not None:  # fresh figures only: a gap shows a scrape that failed
+            engine["waiting"].add_metric((backend.name,), load.waiting)
+            engine["running"].add_metric((backend.name,), load.running)
+            if load.kv is not None:
+                engine["kv_cache_usage"].add_metric((backend.name,), load.kv)
         for model in backend.spec.models:
             up.add_metric((backend.name, model, backend.spec.kind),
                           1.0 if backend.healthy else 0.0)
@@ -79,7 +95,7 @@ def backend_families(backends: Iterable[Backend]) -> list[Metric]:
             for name in _STATES:
                 state.add_metric((backend.name, name), 1.0 if name == current else 0.0)
             restarts.add_metric((backend.name,), record.restarts if record else 0)
-    return [up, state, restarts]
+    return [up, state, restarts, *engine.values()]
 
 
 async def _queue_depth(redis: Redis) -> list[Metric]:

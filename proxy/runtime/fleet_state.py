@@ -61,6 +61,11 @@ def fleet_key(config_root: str) -> str:
     return f"igw:fleet:backends:{socket.gethostname()}:{config_root}"
 
 
+def signals_key(config_root: str) -> str:
+    """The engines' load as the master last read it (proxy.runtime.signal_scraper)."""
+    return f"igw:fleet:signals:{socket.gethostname()}:{config_root}"
+
+
 @dataclass(slots=True)
 class RestartBackoff:
     """Exponential restart delay: `base_s` doubling to `max_s`, forgotten after a stable run.

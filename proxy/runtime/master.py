@@ -34,13 +34,14 @@ import msgspec
 
 from proxy.config import Config
 from proxy.runtime.embedded_redis import RedisStartError, SupervisedRedis
-from proxy.runtime.fleet_state import RestartBackoff
+from proxy.runtime.fleet_state import RestartBackoff, signals_key
 from proxy.runtime.redis_process import (
     RATE_LIMIT_URL_ENV,
     RedisProcess,
     connect_redis,
     rate_limit_redis_url,
 )
+from proxy.runtime.signal_scraper import SignalScraper
 from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_event
 
 log = logging.getLogger("proxy.runtime.master")
@@ -93,6 +94,9 @@ class Master:
     async def _serve(self) -> int:
         redis = connect_redis(self.redis_url)
         supervisor = Supervisor(self.config, redis)
+        scraper = asyncio.create_task(SignalScraper(
+            self.config.backends, redis, signals_key(self.config.root),
+            self.config.health.engine_signals_s).run())
         try:
             await supervisor.start()
             slots = [asyncio.create_task(self._keep_worker(i)) for i in range(self.count)]
@@ -103,6 +107,8 @@ class Master:
             log.info("workers stopped; stopping %d supervised backend(s)",
                      len(supervisor.backends))
         finally:
+            scraper.cancel()
+            await asyncio.gather(scraper, return_exceptions=True)
             await supervisor.stop()
             await redis.aclose()
         return 0

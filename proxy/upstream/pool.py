@@ -34,6 +34,7 @@ from proxy.headers import HeaderRule
 from proxy.policy.tiers import FAMILY_NAMES
 from proxy.runtime.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
+from proxy.upstream.signals import EngineSignals
 
 RETRY_AFTER_S = "1"
 MODES: tuple[Mode, ...] = ("direct", "network")
@@ -59,8 +60,8 @@ class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
     __slots__ = ("_urls", "auth", "base_url", "forward", "health", "max_ejected_ratio",
-                 "max_model_len", "name", "outstanding", "peers", "probed", "record", "spec",
-                 "supervised", "wake")
+                 "max_model_len", "name", "outstanding", "peers", "probed", "record",
+                 "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -82,6 +83,8 @@ class Backend:
         )
         self.max_ejected_ratio = settings.max_ejected_ratio
         self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
+        # The engine's own load as the master last read it (vLLM and TGI; see `load`).
+        self.signals: EngineSignals | None = None
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
@@ -133,6 +136,11 @@ class Backend:
     @property
     def available(self) -> bool:
         return self.healthy and self.outstanding < self.spec.max_concurrency
+
+    def load(self, now: float) -> EngineSignals | None:
+        """The engine's own figures while they are fresh; None when stale or never read."""
+        signals = self.signals
+        return signals if signals is not None and signals.fresh(now) else None
 
     def score(self) -> float:
         return (self.outstanding + 1) / self.spec.weight

@@ -33,6 +33,7 @@ from proxy.config import HealthSection
 from proxy.runtime.fleet_state import POLL_S, READY, FleetRecord
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, health_path
+from proxy.upstream.signals import SIGNAL_KINDS, EngineSignals
 
 log = logging.getLogger("proxy.health")
 
@@ -189,28 +190,44 @@ class Prober:
 
 
 class FleetSync:
-    """Follows the supervisor's records in Redis (supervised backends only)."""
+    """Follows the master's records in Redis: the supervisor's states of supervised backends,
+    and the engines' own load (vLLM and TGI backends, proxy.runtime.signal_scraper)."""
 
-    def __init__(self, backends: Sequence[Backend], redis: Redis, key: str) -> None:
+    def __init__(self, backends: Sequence[Backend], redis: Redis, key: str,
+                 signals_key: str | None = None) -> None:
         self.backends = [b for b in backends if b.supervised]
+        self.signalled = [b for b in backends if b.spec.kind in SIGNAL_KINDS] \
+            if signals_key else []
         self.redis = redis
         self.key = key
+        self.signals_key = signals_key
         self._redis_down = False
         self._ready_pid: dict[str, int | None] = {}  # the process last seen ready, per backend
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.backends or self.signalled)
 
     async def read_once(self) -> list[Backend]:
         """Take in the records; returns the backends that just became ready (to probe now)."""
         try:
-            raw: dict[bytes | str, bytes | str] = await self.redis.hgetall(self.key)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.key)
+                if self.signals_key:
+                    pipe.hgetall(self.signals_key)
+                raw, *signals = await pipe.execute()
         except (RedisError, OSError) as exc:
             if not self._redis_down:  # keep the last known states until Redis is back
                 log.warning("cannot read backend states from Redis (%s)", type(exc).__name__)
             self._redis_down = True
             return []
         self._redis_down = False
+        for backend in self.signalled:
+            value = _field(signals[0], backend.name)
+            backend.signals = EngineSignals.decode(value) if value is not None else None
         fresh = []
         for backend in self.backends:
-            value = raw.get(backend.name.encode(), raw.get(backend.name))
+            value = _field(raw, backend.name)
             record = FleetRecord.decode(value) if value is not None else None
             if record is not None and record.state == READY:
                 if self._ready_pid.get(backend.name, 0) != record.pid:
@@ -229,3 +246,7 @@ class FleetSync:
             await asyncio.sleep(POLL_S)
             fresh = await self.read_once()
             await asyncio.gather(*(prober.probe(b) for b in fresh))  # in rotation at once
+
+
+def _field(raw: dict[bytes | str, bytes | str], name: str) -> bytes | str | None:
+    return raw.get(name.encode(), raw.get(name))

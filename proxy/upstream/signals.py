@@ -1,0 +1,68 @@
+"""What an engine says of its own load, read from its Prometheus `/metrics` text. No I/O.
+
+vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`
+(0..1), summed over the models one server serves. TGI: `tgi_queue_size`,
+`tgi_batch_current_size`, and the batch's share of its token budget
+(`tgi_batch_current_max_tokens` / `tgi_batch_max_total_tokens`) standing in for KV use. Other
+kinds publish nothing a router can use; their backends are picked on outstanding counts.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+SIGNAL_KINDS = frozenset({"vllm", "tgi"})
+SIGNALS_FRESH_S = 2.0  # a snapshot older than this is not used (the master's hash expires too)
+MAX_TEXT = 4 * 1024 * 1024  # a /metrics answer larger than this is not an engine's
+_VLLM = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+         "vllm:kv_cache_usage_perc": "kv"}
+_TGI = {"tgi_queue_size": "waiting", "tgi_batch_current_size": "running",
+        "tgi_batch_current_max_tokens": "batch_tokens", "tgi_batch_max_total_tokens": "budget"}
+
+
+class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
+    """One scrape of one engine; `at` is the scraper's wall clock (seconds)."""
+
+    waiting: float
+    running: float
+    kv: float | None  # share of the KV cache (or token budget) in use, 0..1; None: unknown
+    at: float
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    def fresh(self, now: float) -> bool:
+        return now - self.at < SIGNALS_FRESH_S
+
+    @staticmethod
+    def decode(raw: bytes | str) -> EngineSignals | None:
+        try:
+            return msgspec.json.decode(raw, type=EngineSignals)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+
+def parse_signals(kind: str, text: str, at: float) -> EngineSignals | None:
+    """The load figures in an engine's /metrics text; None when they are not all there (a
+    different server, a version that renamed them, text that does not parse)."""
+    names = _VLLM if kind == "vllm" else _TGI if kind == "tgi" else None
+    if names is None or len(text) > MAX_TEXT:
+        return None
+    found: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                field = names.get(sample.name)
+                if field is not None and sample.value == sample.value:  # NaN: not a figure
+                    found[field] = found.get(field, 0.0) + max(0.0, sample.value)
+    except (ValueError, TypeError, IndexError):
+        return None
+    if "waiting" not in found or "running" not in found:
+        return None
+    kv = found.get("kv")
+    if kind == "tgi":
+        budget = found.get("budget")
+        kv = found["batch_tokens"] / budget if budget and "batch_tokens" in found else None
+    return EngineSignals(waiting=found["waiting"], running=found["running"],
+                         kv=None if kv is None else min(1.0, kv), at=at)

@@ -197,7 +197,7 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
                             caps.fetch.max_bytes),
     )
     app[CONFIG] = config
-    app[ROUTER] = Router(config.backends, config.health)
+    app[ROUTER] = Router(config.backends, config.health, config.routing)
     app[OPENAPI] = orjson.dumps(OPENAPI_DOCUMENT)
     app[METRICS] = Metrics(Labels(
         (model for backend in config.backends for model in backend.models),

@@ -171,12 +171,34 @@ class SupervisorSection(_Section, frozen=True):
     backoff_max_s: Seconds = 60.0
 
 
+Pick = Literal["prefix", "engine", "p2c"]
+Weight = Annotated[float, msgspec.Meta(ge=0, le=1000)]
+
+
+class RoutingSection(_Section, frozen=True):
+    """How a chat pool picks a replica (proxy.upstream.routing); other pools use "p2c"."""
+
+    # "prefix": one replica per shared prefix (warm prefix cache), within the load bound;
+    # "engine": the lowest load by the engines' own figures; "p2c": two random choices.
+    pick: Pick = "prefix"
+    models: dict[str, Pick] = {}  # per model, over `pick`
+    # "prefix" passes over a replica above (1 + load_bound) x the pool's mean load.
+    load_bound: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.25
+    # The engine load score: waiting, running, KV-cache use (0-1), and the requests this worker
+    # sent since the last read of the engine's figures.
+    waiting_weight: Weight = 1.0
+    running_weight: Weight = 0.5
+    kv_cache_weight: Weight = 4.0
+    sent_weight: Weight = 1.0
+
+
 class BackendsFile(_Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
     server: ServerSection = ServerSection()
     upstream: UpstreamSection = UpstreamSection()
     health: HealthSection = HealthSection()
     supervisor: SupervisorSection = SupervisorSection()
+    routing: RoutingSection = RoutingSection()
     backends: list[BackendSpec] = []
 
 
@@ -439,6 +461,7 @@ class Config(_Section, frozen=True):
     upstream: UpstreamSection
     health: HealthSection
     supervisor: SupervisorSection
+    routing: RoutingSection
     backends: tuple[BackendSpec, ...]
     policies: Policies
 
@@ -507,6 +530,7 @@ def load_config(folder: str | Path = ".") -> Config:
         upstream=backends.upstream,
         health=backends.health,
         supervisor=backends.supervisor,
+        routing=backends.routing,
         backends=tuple(backends.backends),
         policies=Policies(**policies),
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -68,6 +68,7 @@ from proxy.upstream.client import UpstreamFailure, read_answer
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.quorum import fingerprint
 from proxy.upstream.relay import relay_stream
+from proxy.upstream.routing import SESSION_HEADER, prefix_key
 from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
@@ -325,7 +326,8 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: 
         return response
 
     return await app[UPSTREAMS].call(pool, CHAT_UPSTREAM_PATH, body_for, headers,
-                                     request.headers, relay)
+                                     request.headers, relay,
+                                     affinity(pool, call, request.headers))
 
 
 async def _complete(request: web.Request, style: ChatStyle, call: ChatCall, backend: Backend,
@@ -426,7 +428,14 @@ async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
     return await ctx.app[UPSTREAMS].call(
         pool, CHAT_UPSTREAM_PATH,
         lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap), headers,
-        ctx.client_headers, use)
+        ctx.client_headers, use, affinity(pool, call, ctx.client_headers))
+
+
+def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> bytes | None:
+    """The prefix a "prefix" pool keeps on one replica (hashed only where it is used)."""
+    if pool.pick_kind != "prefix":
+        return None
+    return prefix_key(call.openai_body, headers.get(SESSION_HEADER))
 
 
 def parsed_call(style: ChatStyle, body: dict[str, Any]) -> ChatCall:

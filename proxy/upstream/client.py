@@ -121,15 +121,17 @@ class Upstreams:
         headers: Mapping[str, str],
         client_headers: Mapping[str, str],
         use: Callable[[Backend, aiohttp.ClientResponse], Awaitable[T]],
+        key: bytes | None = None,
     ) -> T:
         """`exchange` with a backend picked from `pool`, its 2xx response given to `use`;
-        retried once on another backend when the failure is retryable.
+        retried once on another backend when the failure is retryable. `key`: the request's
+        prefix affinity (proxy.upstream.routing), for pools that pick by it.
 
         A failure is retryable only while the client has had no byte: an error status, or one
         that `use` raises as retryable (a stream that failed before its first event). `path` may
         depend on the backend (ASR servers of two wires in one pool).
         """
-        backend = pool.pick()
+        backend = pool.pick(key=key)
         retried = False
         while True:
             sent = {**headers, **backend.forward.select(client_headers), **backend.auth}
@@ -141,7 +143,7 @@ class Upstreams:
                 if retried or not failure.retryable or self._aborting:  # not while draining
                     raise
                 try:
-                    backend = pool.pick(exclude=backend)
+                    backend = pool.pick(exclude=backend, key=key)
                 except GatewayError:
                     raise failure from None
                 retried = True

@@ -1,9 +1,9 @@
 """Backends grouped into pools, and the pick of one backend for a request. No I/O.
 
-Pick: the power of two choices on outstanding requests (two weighted random candidates, the one
-with fewer requests in flight per unit of weight wins), among backends that are healthy and below
-their concurrency cap. When none is, the answer is an immediate 503 with Retry-After rather than
-a queue that grows without bound.
+Pick, among backends that are healthy and below their concurrency cap: by the pool's
+`[routing]` pick (proxy.upstream.routing: the shared prefix's replica, the engines' own load, or
+two random choices on this worker's outstanding requests). When none is available, the answer
+is an immediate 503 with Retry-After rather than a queue that grows without bound.
 
 Healthy means: the supervisor says `ready` (supervised backends only), and this worker's
 `BackendHealth` admits it (not ejected, last probe fine; one request at a time when half-open).
@@ -28,15 +28,18 @@ from collections.abc import Callable, Iterable, Sequence
 
 from yarl import URL
 
-from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection, Mode
+from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection, Mode, RoutingSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
 from proxy.policy.tiers import FAMILY_NAMES
 from proxy.runtime.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
+from proxy.upstream.routing import PickKind, Weights
+from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
 
 RETRY_AFTER_S = "1"
+_RNG = random.Random()
 MODES: tuple[Mode, ...] = ("direct", "network")
 
 # Kinds whose health endpoint is `/`; others default to `/health`. OpenAI-style hosted APIs have
@@ -61,7 +64,7 @@ class Backend:
 
     __slots__ = ("_urls", "auth", "base_url", "forward", "health", "max_ejected_ratio",
                  "max_model_len", "name", "outstanding", "peers", "probed", "record",
-                 "signals", "spec", "supervised", "wake")
+                 "sent_since", "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -83,8 +86,10 @@ class Backend:
         )
         self.max_ejected_ratio = settings.max_ejected_ratio
         self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
-        # The engine's own load as the master last read it (vLLM and TGI; see `load`).
+        # The engine's own load as the master last read it (vLLM and TGI; see `load`), and
+        # the requests this worker sent it since (the figures cannot show them yet).
         self.signals: EngineSignals | None = None
+        self.sent_since = 0
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
@@ -142,18 +147,45 @@ class Backend:
         signals = self.signals
         return signals if signals is not None and signals.fresh(now) else None
 
-    def score(self) -> float:
+    def take_signals(self, signals: EngineSignals | None) -> None:
+        """The master's latest read; a new one already counts what this worker sent."""
+        if signals is not None and (self.signals is None or signals.at != self.signals.at):
+            self.sent_since = 0
+        self.signals = signals
+
+    @property
+    def weight(self) -> int:
+        return self.spec.weight
+
+    def engine_load(self, weights: Weights, now: float) -> float | None:
+        """The `engine` pick's load score (None without fresh figures)."""
+        load = self.load(now)
+        if load is None:
+            return None
+        # Sent since the read and still open: load the figures cannot show yet (a request
+        # already answered is no load at all).
+        unseen = min(self.sent_since, self.outstanding)
+        return (weights.waiting * load.waiting + weights.running * load.running
+                + weights.kv_cache * (load.kv or 0.0) + weights.sent * unseen)
+
+    def local_score(self) -> float:
         return (self.outstanding + 1) / self.spec.weight
 
 
 class Pool:
     """The backends that can serve one model for one task family."""
 
-    __slots__ = ("backends", "model")
+    __slots__ = ("backends", "load_bound", "model", "pick_kind", "weights")
 
-    def __init__(self, model: str, backends: Sequence[Backend]) -> None:
+    def __init__(self, model: str, backends: Sequence[Backend], pick_kind: PickKind = "p2c",
+                 routing: RoutingSection | None = None) -> None:
         self.model = model
         self.backends = tuple(backends)
+        self.pick_kind: PickKind = pick_kind
+        r = routing or RoutingSection()
+        self.weights = Weights(r.waiting_weight, r.running_weight, r.kv_cache_weight,
+                               r.sent_weight)
+        self.load_bound = r.load_bound
 
     @property
     def healthy(self) -> bool:
@@ -165,15 +197,17 @@ class Pool:
         known = [n for b in self.backends if (n := b.max_model_len.get(self.model)) is not None]
         return min(known) if known else None
 
-    def pick(self, exclude: Backend | None = None, rng: random.Random | None = None) -> Backend:
+    def pick(self, exclude: Backend | None = None, rng: random.Random | None = None,
+             key: bytes | None = None) -> Backend:
+        """A backend for one request (`key`: its prefix affinity, for the "prefix" pick)."""
         candidates = [b for b in self.backends if b.available and b is not exclude]
         if not candidates:
             raise self._none_available(exclude)
-        if len(candidates) == 1:
-            return candidates[0]
-        choose = (rng or random).choices
-        first, second = choose(candidates, weights=[b.spec.weight for b in candidates], k=2)
-        return first if first.score() <= second.score() else second
+        chosen = choose(self.pick_kind, candidates, key=key, weights=self.weights,
+                              load_bound=self.load_bound, now=time.time(), rng=rng or _RNG)
+        assert isinstance(chosen, Backend)
+        chosen.sent_since += 1
+        return chosen
 
     def pick_distinct(self, n: int, rng: random.Random | None = None) -> list[Backend]:
         """`n` different available backends (healthy, under their cap) for one redundant
@@ -189,7 +223,7 @@ class Pool:
                 headers={"Retry-After": RETRY_AFTER_S},
             )
         (rng or random).shuffle(candidates)  # ties broken at random, not by config order
-        candidates.sort(key=Backend.score)  # stable: the shuffle decides among equals
+        candidates.sort(key=Backend.local_score)  # stable: the shuffle decides among equals
         return candidates[:n]
 
     def _none_available(self, exclude: Backend | None) -> GatewayError:
@@ -209,8 +243,10 @@ class Router:
     """(task family, model name, mode) -> pool, built once from backends.toml; image and video
     backends are also found by their provider (the `<provider>` of their routes, direct mode)."""
 
-    def __init__(self, specs: Iterable[BackendSpec], health: HealthSection | None = None) -> None:
+    def __init__(self, specs: Iterable[BackendSpec], health: HealthSection | None = None,
+                 routing: RoutingSection | None = None) -> None:
         self.backends = tuple(Backend(spec, health) for spec in specs)
+        r = routing or RoutingSection()
         grouped: dict[tuple[str, str, str], list[Backend]] = {}
         self._providers: dict[tuple[str, str], list[Backend]] = {}
         for backend in self.backends:
@@ -222,7 +258,10 @@ class Router:
             if family in ("image", "video") and "direct" in modes:
                 provider = backend.spec.provider or backend.name
                 self._providers.setdefault((family, provider), []).append(backend)
-        self._pools = {key: Pool(key[1], group) for key, group in grouped.items()}
+        # Chat pools pick by [routing]; the other families' servers publish no load figures.
+        self._pools = {key: Pool(key[1], group,
+                                 r.models.get(key[1], r.pick) if key[0] == "chat" else "p2c", r)
+                       for key, group in grouped.items()}
         for backend in self.backends:  # the ejection cap is counted per pool
             backend.peers = tuple(pool.backends for pool in self._pools.values()
                                   if backend in pool.backends)

@@ -224,7 +224,7 @@ class FleetSync:
         self._redis_down = False
         for backend in self.signalled:
             value = _field(signals[0], backend.name)
-            backend.signals = EngineSignals.decode(value) if value is not None else None
+            backend.take_signals(EngineSignals.decode(value) if value is not None else None)
         fresh = []
         for backend in self.backends:
             value = _field(raw, backend.name)

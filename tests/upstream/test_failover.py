@@ -7,6 +7,7 @@ one is not taken for a broken one."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import struct
 from typing import Any
@@ -36,8 +37,14 @@ def users_seen(sim: TestServer) -> int:
     return sum(r.headers.get("User-Agent") != PROBE_AGENT for r in sim.app[STATE].records)
 
 
+_CONVERSATIONS = itertools.count()
+
+
 async def ok(gw: TestServer, stream: bool) -> bool:
-    status, _, raw = await post(gw, {"model": MODEL, "messages": HELLO, "stream": stream})
+    # A new conversation each time: chat pools keep one prefix on one replica, and these tests
+    # need their requests spread over the pool.
+    messages = [{"role": "user", "content": f"{HELLO[0]['content']} #{next(_CONVERSATIONS)}"}]
+    status, _, raw = await post(gw, {"model": MODEL, "messages": messages, "stream": stream})
     if not stream:
         return status == 200 and bool(orjson.loads(raw)["choices"])
     payloads = sse_payloads(raw)

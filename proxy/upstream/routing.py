@@ -1,0 +1,135 @@
+"""How a pool chooses among its available replicas, on the engines' own signals. No I/O.
+
+    p2c     two weighted random candidates, fewer requests in flight (this worker's) wins
+    engine  the lowest load score: the engine's waiting queue, running batch and KV-cache use
+            (as the master last read them) plus the requests this worker sent it since that read;
+            P2C on this worker's counts where no fresh figures exist
+    prefix  requests sharing a prefix (system prompt and first user turn, or `X-Session-Id`)
+            go to one replica by rendezvous hashing, the same in every worker and on every host,
+            so its prefix cache stays warm; a replica above (1 + load_bound) x the pool's mean
+            load is passed over for the next in rendezvous order (bounded-load hashing)
+
+The prefix is hashed (BLAKE2b, 16 bytes) as soon as it is read; nothing keeps the raw text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import orjson
+
+PickKind = Literal["p2c", "engine", "prefix"]
+SESSION_HEADER = "X-Session-Id"
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """The `engine` score's weights (backends.toml [routing])."""
+
+    waiting: float = 1.0
+    running: float = 0.5
+    kv_cache: float = 4.0
+    sent: float = 1.0
+
+
+class Replica(Protocol):
+    """What a pick needs of a backend (proxy.upstream.pool.Backend)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def weight(self) -> int: ...
+    @property
+    def outstanding(self) -> int: ...  # this worker's requests in flight on it
+    def local_score(self) -> float: ...
+    def engine_load(self, weights: Weights, now: float) -> float | None: ...
+
+
+def prefix_key(body: Mapping[str, Any], session: str | None) -> bytes | None:
+    """The affinity key of a chat request: its session header, else its system prompt(s) and
+    first user turn (OpenAI-shaped `messages`), hashed; None when there is nothing to share."""
+    digest = hashlib.blake2b(digest_size=16)
+    if session:
+        digest.update(b"session\0" + session.encode("utf-8", "replace"))
+        return digest.digest()
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    shared: list[Any] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            break
+        role = message.get("role")
+        if role in ("system", "developer"):
+            shared.append(message.get("content"))
+        elif role == "user":
+            shared.append(message.get("content"))
+            break
+        else:
+            break
+    if not shared:
+        return None
+    digest.update(orjson.dumps(shared, option=orjson.OPT_SORT_KEYS))
+    return digest.digest()
+
+
+def rendezvous_order(key: bytes, replicas: Sequence[Replica]) -> list[Replica]:
+    """Replicas by weighted rendezvous (highest random weight) for `key`: the same order
+    wherever it is computed, and removing a replica moves only the keys it had."""
+    def rank(replica: Replica) -> float:
+        h = hashlib.blake2b(key + replica.name.encode(), digest_size=8).digest()
+        u = (int.from_bytes(h, "big") + 1) / (2**64 + 1)  # in (0, 1)
+        return -replica.weight / math.log(u)
+
+    return sorted(replicas, key=rank, reverse=True)
+
+
+def pick(kind: PickKind, replicas: Sequence[Replica], *, key: bytes | None, weights: Weights,
+         load_bound: float, now: float, rng: random.Random) -> Replica:
+    """One of `replicas` (non-empty, all available) for a request."""
+    if len(replicas) == 1:
+        return replicas[0]
+    if kind == "prefix" and key is not None:
+        return _bounded_rendezvous(replicas, key, weights, load_bound, now, rng)
+    if kind in ("engine", "prefix"):
+        return _lowest_engine_load(replicas, weights, now, rng)
+    return _p2c(replicas, rng)
+
+
+def _p2c(replicas: Sequence[Replica], rng: random.Random) -> Replica:
+    first, second = rng.choices(replicas, weights=[r.weight for r in replicas], k=2)
+    return first if first.local_score() <= second.local_score() else second
+
+
+def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: float,
+                        rng: random.Random) -> Replica:
+    loads = [r.engine_load(weights, now) for r in replicas]
+    if any(load is None for load in loads):
+        return _p2c(replicas, rng)  # no fresh figures for some: this worker's counts for all
+    scored = [(load / r.weight, r) for load, r in zip(loads, replicas, strict=True)
+              if load is not None]
+    best = min(score for score, _ in scored)
+    tied = [r for score, r in scored if score <= best + 1e-9]
+    return tied[0] if len(tied) == 1 else _p2c(tied, rng)
+
+
+def _bounded_rendezvous(replicas: Sequence[Replica], key: bytes, weights: Weights,
+                        load_bound: float, now: float, rng: random.Random) -> Replica:
+    loads = {r.name: _load(r, weights, now) for r in replicas}
+    # The bound per unit of weight, this request included; the least loaded replica is always
+    # under it, so the walk below always ends.
+    bound = (1 + load_bound) * (sum(loads.values()) + 1) / sum(r.weight for r in replicas)
+    for replica in rendezvous_order(key, replicas):
+        if loads[replica.name] / replica.weight < bound:
+            return replica
+    return _lowest_engine_load(replicas, weights, now, rng)  # not reached (see above)
+
+
+def _load(replica: Replica, weights: Weights, now: float) -> float:
+    load = replica.engine_load(weights, now)
+    return load if load is not None else float(replica.outstanding)

@@ -1,0 +1,131 @@
+"""Picks on the engines' own signals (proxy.upstream.routing), through real `Pool`s."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from typing import Any
+
+from proxy.config import BackendSpec, RoutingSection
+from proxy.upstream.pool import Backend, Pool, Router
+from proxy.upstream.routing import prefix_key, rendezvous_order
+from proxy.upstream.signals import EngineSignals
+
+MODEL = "acme/small-chat"
+
+
+def spec(name: str, weight: int = 1) -> BackendSpec:
+    return BackendSpec(name=name, kind="vllm", url=f"http://{name}:8000", models=[MODEL],
+                       weight=weight)
+
+
+def chat_pool(*names: str, pick: str = "prefix", **routing: Any) -> Pool:
+    router = Router([spec(n) for n in names], routing=RoutingSection(
+        pick=pick, **routing))  # type: ignore[arg-type]
+    return router.pool("chat", MODEL)
+
+
+def load(backend: Backend, waiting: float, running: float = 0, kv: float = 0.0,
+         age_s: float = 0.0) -> None:
+    backend.take_signals(EngineSignals(waiting=waiting, running=running, kv=kv,
+                                       at=time.time() - age_s))
+
+
+def turns(system: str, *users: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(users):
+        messages.append({"role": "user", "content": text})
+        messages.append({"role": "assistant", "content": f"answer {i}"})
+    return {"model": MODEL, "messages": messages}
+
+
+def test_the_prefix_is_the_system_prompt_and_first_user_turn() -> None:
+    one = prefix_key(turns("You are terse.", "Hi", "and more"), None)
+    assert one is not None and len(one) == 16
+    assert prefix_key(turns("You are terse.", "Hi", "something else"), None) == one
+    assert prefix_key(turns("You are terse.", "Hello"), None) != one
+    assert prefix_key(turns("You are verbose.", "Hi"), None) != one
+    session = prefix_key(turns("You are terse.", "Hi"), "user-42")
+    assert session not in (None, one)
+    assert prefix_key(turns("Other", "x"), "user-42") == session  # the session decides
+    assert prefix_key({"messages": "not a list"}, None) is None
+    assert prefix_key({"messages": [{"role": "assistant", "content": "x"}]}, None) is None
+    assert b"terse" not in (one or b"")
+
+
+def test_one_prefix_one_replica_and_the_same_in_every_worker() -> None:
+    # Two routers stand for two workers (or two hosts): each picks alone.
+    pools = [chat_pool("a", "b", "c"), chat_pool("a", "b", "c")]
+    chosen = Counter()
+    for i in range(20):
+        key = prefix_key(turns(f"system prompt {i}", "hi"), None)
+        names = {pool.pick(key=key, rng=random.Random(n)).name
+                 for pool in pools for n in range(5)}
+        assert len(names) == 1, names
+        chosen[names.pop()] += 1
+    assert len(chosen) == 3 and min(chosen.values()) >= 3  # 20 prefixes spread over all three
+
+
+def test_losing_a_replica_moves_only_its_own_prefixes() -> None:
+    three = chat_pool("a", "b", "c").backends
+    keys = [bytes([i, i + 1]) * 8 for i in range(200)]
+    before = {k: rendezvous_order(k, three)[0].name for k in keys}
+    after = {k: rendezvous_order(k, [b for b in three if b.name != "b"])[0].name for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "b" for k in moved)
+
+
+def test_an_overloaded_prefix_target_spills_to_the_next_in_order() -> None:
+    pool = chat_pool("a", "b", "c", load_bound=0.25)
+    key = prefix_key(turns("shared system prompt", "hi"), None)
+    assert key is not None
+    first, second, _ = rendezvous_order(key, pool.backends)
+    for backend in pool.backends:
+        load(backend, waiting=2, running=2)
+    assert pool.pick(key=key) is first
+    load(first, waiting=30, running=8)  # far above the mean: the next replica takes it
+    assert pool.pick(key=key) is second
+    load(first, waiting=2, running=2)  # drained: back to its own replica
+    assert pool.pick(key=key) is first
+
+
+def test_engine_pick_avoids_a_full_queue_and_counts_what_it_sent() -> None:
+    pool = chat_pool("a", "b", "c", pick="engine")
+    a, b, c = pool.backends
+    load(a, waiting=12, running=8, kv=0.9)
+    load(b, waiting=0, running=2, kv=0.2)
+    load(c, waiting=0, running=3, kv=0.2)
+    picks = []
+    for _ in range(6):  # each stays open, as a running exchange does
+        chosen = pool.pick()
+        chosen.outstanding += 1
+        picks.append(chosen.name)
+    assert "a" not in picks
+    # What this worker sent since the read and still has open counts: b does not take all six.
+    assert Counter(picks)["b"] < 6 and "c" in picks
+    load(b, waiting=0, running=2, kv=0.2)  # a new read resets the count it already shows
+    assert b.sent_since == 0
+
+
+def test_stale_or_missing_figures_fall_back_to_this_workers_counts() -> None:
+    pool = chat_pool("a", "b", pick="engine")
+    a, b = pool.backends
+    load(a, waiting=50, age_s=5.0)  # stale: never trusted
+    load(b, waiting=0)
+    a.outstanding, b.outstanding = 0, 5
+    rng = random.Random(1)
+    assert Counter(pool.pick(rng=rng).name for _ in range(50))["a"] > 25
+
+
+def test_other_families_and_p2c_pools_ignore_prefixes() -> None:
+    pool = chat_pool("a", "b", pick="p2c")
+    key = prefix_key(turns("shared", "hi"), None)
+    rng = random.Random(3)
+    assert {pool.pick(key=key, rng=rng).name for _ in range(40)} == {"a", "b"}
+    tts = Router([BackendSpec(name="t", kind="tts", url="http://t", models=["acme/csm-1b"])],
+                 routing=RoutingSection(pick="prefix")).pool("tts", "acme/csm-1b")
+    assert tts.pick_kind == "p2c"
+    per_model = Router([spec("a"), spec("b")], routing=RoutingSection(
+        pick="prefix", models={MODEL: "engine"})).pool("chat", MODEL)
+    assert per_model.pick_kind == "engine"

@@ -354,6 +354,9 @@ class TierPolicy(_Section, frozen=True):
     # answers 503 with Retry-After.
     store_down: Literal["open", "closed"] = "open"
     fallback_requests_per_minute: PerMinute = 5
+    # Backpressure: refused (503 pool_saturated, nothing held) while the model's engines have
+    # this many requests waiting per replica, or more; unset: never refused for that.
+    queue_budget: Annotated[int, msgspec.Meta(ge=0, le=100_000)] | None = None
 
 
 _ALL_FAMILIES: list[Family] = ["chat", "tts", "asr", "image", "video"]
@@ -513,6 +516,7 @@ def load_config(folder: str | Path = ".") -> Config:
     if backends is not None:
         problems.extend(_check_network_pools(
             backends.backends, policies.get("requests", RequestsPolicy()).network))
+        problems.extend(_check_routing(backends))
     if "auth" in policies:
         from proxy.identity.jwt import check_jwt_policy  # it imports this module
 
@@ -656,6 +660,13 @@ def _check_network_pools(specs: list[BackendSpec], network: NetworkPolicy) -> li
             f"backend(s) ({', '.join(names)}), fewer than policies/requests.toml "
             f"network.replicas ({network.replicas})"
             for model, names in serving.items() if len(names) < network.replicas]
+
+
+def _check_routing(backends: BackendsFile) -> list[str]:
+    """A per-model pick must name a chat model some backend serves (a typo would do nothing)."""
+    chat = {m for s in backends.backends if FAMILY_OF_KIND[s.kind] == "chat" for m in s.models}
+    return [f"backends.toml: routing.models: {model!r} is not a chat model of any backend"
+            for model in backends.routing.models if model not in chat]
 
 
 def _check_request_life(upstream: UpstreamSection, prices: PricesPolicy) -> list[str]:

@@ -44,6 +44,7 @@ class ErrorKind(enum.Enum):
     NOT_IMPLEMENTED = (501, "not_implemented")
     UPSTREAM_ERROR = (502, "upstream_error")
     UNAVAILABLE = (503, "unavailable")
+    POOL_SATURATED = (503, "pool_saturated")
     UPSTREAM_TIMEOUT = (504, "upstream_timeout")
 
     @property

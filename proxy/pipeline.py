@@ -2,10 +2,10 @@
 (speech synthesis, speech recognition, image and video), each in one function.
 
     auth (401) -> parse + validate (400/413/415/422) -> model (404), its engines' context (422)
-    + tier access (403) -> admission: rate limit (429) + credit hold (402), one Redis step
-    -> idempotency (409/replay) -> route (503) -> translate -> upstream (502/503/504, one retry
-    on another backend before the client's first byte) -> relay (JSON, or a stream event by
-    event) -> meter + settle (queued, exactly once)
+    + tier access (403) + the tier's queue budget (503 pool_saturated) -> admission: rate
+    limit (429) + credit hold (402), one Redis step -> idempotency (409/replay) -> route (503)
+    -> translate -> upstream (502/503/504, one retry on another backend before the client's
+    first byte) -> relay (JSON, or a stream event by event) -> meter + settle (queued, once)
     (`async: true`: after admission the request becomes a task, 202; proxy.tasks runs the rest.
     `mode: network`: the request runs on several backends, the answer a quorum agrees on is
     returned with its task address; proxy.tasks.network)
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -59,7 +60,7 @@ from proxy.identity.principal import Principal
 from proxy.observe.trace import TRACE
 from proxy.outcome import Outcome
 from proxy.policy.admission import Window
-from proxy.policy.tiers import check_access, completion_cap, tier_of
+from proxy.policy.tiers import check_access, check_queue_budget, completion_cap, tier_of
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.tasks.network import Agreed, agreed, choose_mode, record
 from proxy.tasks.submit import submit
@@ -110,6 +111,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         check_access(snapshot.policies.tiers, principal.tier, family="chat", model=call.model,
                      mode=mode)
         pool = app[ROUTER].pool("chat", call.model, mode)  # 404: not offered in that mode
+        _push_back(pool, tier, principal.tier)  # 503 while its engines queue past the budget
         context = pool.context_limit()  # the engines' own limit (read by the prober)
         _check_context(call, context)
         cap = completion_cap(tier, principal.tier, call.max_tokens)
@@ -184,6 +186,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         if model is None:
             check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                          mode=mode)
+        _push_back(pool, tier, principal.tier)
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
@@ -225,6 +228,16 @@ def _settled(request: web.Request, meter: Meter) -> None:
     trace = request[TRACE]
     trace.cost, trace.units = meter.charged
     request.app[METRICS].settled(meter.model, meter.principal.tier, *meter.charged)
+
+
+def _push_back(pool: Pool, tier: TierPolicy, tier_name: str) -> None:
+    """The tier's queue budget against the engines' own queues (their fresh figures only)."""
+    if tier.queue_budget is None:
+        return
+    saturation = pool.saturation(time.time())
+    if saturation is not None:
+        check_queue_budget(tier, tier_name, pool.model, saturation.waiting_per_replica,
+                           saturation.retry_after_s)
 
 
 async def _count_refused(request: web.Request, principal: Principal, tier: TierPolicy) -> None:

@@ -219,3 +219,20 @@ def test_shipped_config_offers_network_mode() -> None:
     assert len({b.name for b in network}) >= config.policies.requests.network.replicas
     assert all(b.command for b in network) and {m for b in network for m in b.models} == {
         "acme/gpt-oss-120b"}
+
+
+def test_routing_section(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path / "default", MINIMAL))
+    assert (config.routing.pick, config.routing.load_bound) == ("prefix", 0.25)
+    tuned = load_config(write(tmp_path / "tuned", MINIMAL + '\n[routing]\npick = "engine"\n'
+                              'models = { "acme/small-chat" = "p2c" }\nload_bound = 1.0\n'))
+    assert tuned.routing.pick == "engine" and tuned.routing.models == {"acme/small-chat": "p2c"}
+    text = problems_of(write(tmp_path / "bad", MINIMAL + '\n[routing]\npick = "random"\n'
+                             'load_bound = -1\n'))
+    assert "backends.toml: routing.pick: Input should be 'prefix', 'engine' or 'p2c'" in text
+    assert "backends.toml: routing.load_bound: Input should be greater than or equal to 0" \
+        in text
+    text = problems_of(write(tmp_path / "typo", MINIMAL + '\n[routing]\n'
+                             'models = { "acme/nope" = "engine" }\n'))
+    assert "backends.toml: routing.models: 'acme/nope' is not a chat model of any backend" \
+        in text

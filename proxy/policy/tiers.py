@@ -43,6 +43,20 @@ def check_access(tiers: TiersPolicy, tier_name: str, *, family: str, model: str,
         raise _forbidden(reason)
 
 
+def check_queue_budget(tier: TierPolicy, tier_name: str, model: str,
+                       waiting_per_replica: float | None, retry_after_s: int) -> None:
+    """503 `pool_saturated` when the model's engines already queue as much as this tier may
+    add to (`queue_budget`); before anything is held, so nothing is charged."""
+    budget = tier.queue_budget
+    if budget is None or waiting_per_replica is None or waiting_per_replica < budget:
+        return
+    raise GatewayError(
+        ErrorKind.POOL_SATURATED,
+        f"model {model!r} is saturated: {waiting_per_replica:g} requests wait per replica, "
+        f"and tier {tier_name!r} queues only while fewer than {budget} do; retry shortly",
+        headers={"Retry-After": str(retry_after_s)})
+
+
 def completion_cap(tier: TierPolicy, tier_name: str, requested: int | None) -> int | None:
     """The completion-token cap to send upstream; 403 when the request asks for more."""
     cap = tier.max_tokens_per_request

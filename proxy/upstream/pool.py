@@ -21,10 +21,12 @@ A backend's context length (`max_model_len` per model) is what its engine report
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from yarl import URL
 
@@ -39,6 +41,7 @@ from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
 
 RETRY_AFTER_S = "1"
+SATURATED_RETRY_S = 5  # Retry-After of a saturated pool whose completion rate is not known
 _RNG = random.Random()
 MODES: tuple[Mode, ...] = ("direct", "network")
 
@@ -62,9 +65,9 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("_urls", "auth", "base_url", "forward", "health", "max_ejected_ratio",
-                 "max_model_len", "name", "outstanding", "peers", "probed", "record",
-                 "sent_since", "signals", "spec", "supervised", "wake")
+    __slots__ = ("_urls", "auth", "base_url", "completion_rate", "forward", "health",
+                 "max_ejected_ratio", "max_model_len", "name", "outstanding", "peers", "probed",
+                 "record", "sent_since", "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -90,6 +93,7 @@ class Backend:
         # the requests this worker sent it since (the figures cannot show them yet).
         self.signals: EngineSignals | None = None
         self.sent_since = 0
+        self.completion_rate = 0.0  # requests/s the engine completes (smoothed, from its figures)
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
@@ -149,8 +153,13 @@ class Backend:
 
     def take_signals(self, signals: EngineSignals | None) -> None:
         """The master's latest read; a new one already counts what this worker sent."""
-        if signals is not None and (self.signals is None or signals.at != self.signals.at):
+        old = self.signals
+        if signals is not None and (old is None or signals.at != old.at):
             self.sent_since = 0
+            if (old is not None and old.done is not None and signals.done is not None
+                    and signals.at > old.at):
+                rate = max(0.0, signals.done - old.done) / (signals.at - old.at)
+                self.completion_rate = 0.7 * self.completion_rate + 0.3 * rate
         self.signals = signals
 
     @property
@@ -170,6 +179,12 @@ class Backend:
 
     def local_score(self) -> float:
         return (self.outstanding + 1) / self.spec.weight
+
+
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    waiting_per_replica: float
+    retry_after_s: int
 
 
 class Pool:
@@ -208,6 +223,17 @@ class Pool:
         assert isinstance(chosen, Backend)
         chosen.sent_since += 1
         return chosen
+
+    def saturation(self, now: float) -> Saturation | None:
+        """How deep the engines' queues are, from their fresh figures (None: none known)."""
+        loads = [(b, load) for b in self.backends if b.healthy and (load := b.load(now))]
+        if not loads:
+            return None
+        waiting = sum(load.waiting for _, load in loads)
+        rate = sum(b.completion_rate for b, _ in loads)
+        # The queue ahead drains at the pool's completion rate; unknown rate: a short wait.
+        retry = math.ceil(waiting / rate) if rate > 0 else SATURATED_RETRY_S
+        return Saturation(waiting / len(loads), max(1, min(60, retry)))
 
     def pick_distinct(self, n: int, rng: random.Random | None = None) -> list[Backend]:
         """`n` different available backends (healthy, under their cap) for one redundant

@@ -3,7 +3,9 @@
 vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`
 (0..1), summed over the models one server serves. TGI: `tgi_queue_size`,
 `tgi_batch_current_size`, and the batch's share of its token budget
-(`tgi_batch_current_max_tokens` / `tgi_batch_max_total_tokens`) standing in for KV use. Other
+(`tgi_batch_current_max_tokens` / `tgi_batch_max_total_tokens`) standing in for KV use. Both
+count completed requests (`vllm:request_success_total`, `tgi_request_success`), from which the
+workers learn each engine's completion rate. Other
 kinds publish nothing a router can use; their backends are picked on outstanding counts.
 """
 
@@ -16,9 +18,10 @@ SIGNAL_KINDS = frozenset({"vllm", "tgi"})
 SIGNALS_FRESH_S = 2.0  # a snapshot older than this is not used (the master's hash expires too)
 MAX_TEXT = 4 * 1024 * 1024  # a /metrics answer larger than this is not an engine's
 _VLLM = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
-         "vllm:kv_cache_usage_perc": "kv"}
+         "vllm:kv_cache_usage_perc": "kv", "vllm:request_success_total": "done"}
 _TGI = {"tgi_queue_size": "waiting", "tgi_batch_current_size": "running",
-        "tgi_batch_current_max_tokens": "batch_tokens", "tgi_batch_max_total_tokens": "budget"}
+        "tgi_batch_current_max_tokens": "batch_tokens", "tgi_batch_max_total_tokens": "budget",
+        "tgi_request_success": "done"}
 
 
 class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +31,7 @@ class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
     running: float
     kv: float | None  # share of the KV cache (or token budget) in use, 0..1; None: unknown
     at: float
+    done: float | None = None  # requests the engine has completed since it started (a counter)
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
@@ -65,4 +69,4 @@ def parse_signals(kind: str, text: str, at: float) -> EngineSignals | None:
         budget = found.get("budget")
         kv = found["batch_tokens"] / budget if budget and "batch_tokens" in found else None
     return EngineSignals(waiting=found["waiting"], running=found["running"],
-                         kv=None if kv is None else min(1.0, kv), at=at)
+                         kv=None if kv is None else min(1.0, kv), at=at, done=found.get("done"))

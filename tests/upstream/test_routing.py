@@ -7,7 +7,12 @@ import time
 from collections import Counter
 from typing import Any
 
-from proxy.config import BackendSpec, RoutingSection
+import pytest
+from msgspec.structs import replace
+
+from proxy.config import BackendSpec, RoutingSection, TierPolicy
+from proxy.errors import ErrorKind, GatewayError
+from proxy.policy.tiers import check_queue_budget
 from proxy.upstream.pool import Backend, Pool, Router
 from proxy.upstream.routing import prefix_key, rendezvous_order
 from proxy.upstream.signals import EngineSignals
@@ -129,3 +134,30 @@ def test_other_families_and_p2c_pools_ignore_prefixes() -> None:
     per_model = Router([spec("a"), spec("b")], routing=RoutingSection(
         pick="prefix", models={MODEL: "engine"})).pool("chat", MODEL)
     assert per_model.pick_kind == "engine"
+
+
+def test_saturation_and_the_tier_queue_budget() -> None:
+    pool = chat_pool("a", "b", pick="engine")
+    a, b = pool.backends
+    now = time.time()
+    assert pool.saturation(now) is None  # no figures: no pushback
+    for backend, waiting in ((a, 4), (b, 2)):
+        backend.take_signals(EngineSignals(waiting=waiting, running=8, kv=0.5, at=now - 1,
+                                           done=100))
+        backend.take_signals(EngineSignals(waiting=waiting, running=8, kv=0.5, at=now,
+                                           done=110))  # 10 completions in the last second
+    saturation = pool.saturation(now)
+    assert saturation is not None and saturation.waiting_per_replica == 3
+    # The 6 waiting drain at the pool's completion rate (each engine's, smoothed: 3/s + 3/s).
+    assert saturation.retry_after_s == 1
+    basic = TierPolicy(requests_per_minute=10, families=["chat"], models={"*": ["direct"]},
+                       queue_budget=3)
+    check_queue_budget(replace(basic, queue_budget=4), "basic", MODEL, 3, 1)  # under budget
+    check_queue_budget(replace(basic, queue_budget=None), "max", MODEL, 300, 1)  # never refused
+    with pytest.raises(GatewayError) as refused:
+        check_queue_budget(basic, "basic", MODEL, 3, 7)
+    assert refused.value.kind is ErrorKind.POOL_SATURATED
+    assert refused.value.headers == {"Retry-After": "7"}
+    a.take_signals(None)
+    b.take_signals(EngineSignals(waiting=2, running=8, kv=0.5, at=now - 10))  # stale
+    assert pool.saturation(now) is None

@@ -74,3 +74,57 @@ async def test_one_prefix_one_replica_from_every_worker_of_two_gateways(
             proc.terminate()
         for proc in gateways:
             await asyncio.to_thread(proc.wait, 15)
+
+
+async def test_a_replica_whose_queue_is_full_gets_nothing_until_it_drains(
+        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory) -> None:
+    sims = [await simulator("vllm", max_concurrency=1) for _ in range(2)]  # batches of one
+    folder = write_config(tmp_path / "config", [
+        {"name": f"r{i}", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+         "models": [MODEL]} for i, sim in enumerate(sims)],
+        gateway={"access_log": "off"}, policies={"tiers.toml": GENEROUS_TIERS})
+    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "gateway.log").open("wb") as log:
+        gateway = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
+            [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port",
+             str(port), "--workers", "2"], env=env, stdout=log, stderr=log)
+    direct = aiohttp.ClientSession()
+    try:
+        await asyncio.to_thread(wait_until_ready, f"{url}/readyz", gateway)
+        system = "You are the shared support assistant."
+
+        async def ask() -> None:
+            async with aiohttp.ClientSession() as session, session.post(
+                    url + CHAT, json=body(system, "Hello there"),
+                    headers={"Connection": "close"}) as r:
+                assert r.status == 200, await r.text()
+
+        await ask()
+        home = next(i for i, n in (await served_by(sims)).items() if n)  # the prefix's replica
+        # Another client fills home's batch and queue, straight to the engine.
+        hung = await direct.post(sims[home].make_url("/v1/chat/completions"), json={
+            **body("x", "y"), "stream": True}, headers={"x-sim-hang-after": "1"})
+        await hung.content.readline()
+        queued = [asyncio.create_task(direct.post(sims[home].make_url("/v1/chat/completions"),
+                                                  json=body("x", "y"))) for _ in range(4)]
+        await asyncio.sleep(1.5)  # the master reads it; both workers follow
+        before = await served_by(sims)
+        for _ in range(8):
+            await ask()
+        moved = await served_by(sims) - before
+        assert moved == Counter({1 - home: 8}), moved  # none joined the full queue
+        hung.close()  # it drains ...
+        for task in queued:
+            (await task).close()
+        await asyncio.sleep(1.5)
+        before = await served_by(sims)
+        for _ in range(4):
+            await ask()
+        assert await served_by(sims) - before == Counter({home: 4})  # ... and the prefix is back
+    finally:
+        await direct.close()
+        gateway.terminate()
+        await asyncio.to_thread(gateway.wait, 15)

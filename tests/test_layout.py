@@ -20,6 +20,7 @@ PURE = [
     "proxy.ids", "proxy.families.tts", "proxy.families.asr", "proxy.families.generation",
     "proxy.families.languages", "proxy.media.audio", "proxy.media.wav", "proxy.media.containers",
     "proxy.media.visual", "proxy.upstream.quorum",
+    "proxy.upstream.routing",
 ]
 IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")
 # The top level holds the entry points, the wiring and the vocabulary every package shares.

@@ -37,6 +37,8 @@ def build_app(kind: str, config: SimConfig) -> web.Application:
         raise ValueError(f"unknown simulator kind {kind!r}; expected one of {KINDS}")
     if not config.models:
         raise ValueError("a simulator needs at least one model")
+    if not config.speed > 0:
+        raise ValueError(f"speed must be positive, not {config.speed}")
     if kind == "whisper":
         # vLLM lists Whisper with its decoder's context; uploads above vLLM's 25 MB must
         # reach the handler to get vLLM's own 400.

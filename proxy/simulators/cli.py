@@ -52,7 +52,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode speed; 0 sends tokens as fast as possible",
     )
     parser.add_argument(
-        "--max-concurrency", type=int, default=128, help="TGI answers 429 above this; vLLM queues"
+        "--max-concurrency", "--max-num-seqs", "--max-concurrent-requests", type=_positive_int,
+        default=128, dest="max_concurrency", metavar="N",
+        help="vLLM --max-num-seqs: the running batch, requests beyond it wait; TGI "
+        "--max-concurrent-requests: 429 beyond it in flight",
+    )
+    parser.add_argument(
+        "--speed", type=_positive_float, default=1.0,
+        help="divides every latency (first token, prefill, token interval, media processing): "
+        "0.33 is a replica three times slower",
+    )
+    parser.add_argument(
+        "--prefill-ms-per-1k-tokens", type=_non_negative_float, default=0.0, metavar="MS",
+        help="prefill time per 1000 prompt tokens not in the prefix cache; prefills run one at "
+        "a time, before --ttft-ms",
+    )
+    parser.add_argument(
+        "--kv-cache-blocks", "--num-gpu-blocks-override", type=_positive_int, default=65536,
+        dest="kv_cache_blocks", metavar="N",
+        help="KV-cache capacity in blocks of --block-size: running requests' blocks, then an "
+        "LRU of cached prefix blocks",
     )
     parser.add_argument(
         "--startup-delay",
@@ -77,8 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests in flight (running and waiting) beyond which it answers 503")
     vllm.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens")
-    vllm.add_argument("--block-size", type=int, default=16,
-                      help="prefix-cache block: a repeated prompt hits in whole blocks")
+    vllm.add_argument("--block-size", type=_positive_int, default=16,
+                      help="KV-cache block: prompts that begin alike share cached blocks")
+    tgi = parser.add_argument_group("tgi", "router options named as TGI names them")
+    tgi.add_argument("--max-batch-size", type=_positive_int, default=None,
+                     help="the running batch; beyond it requests queue (default: "
+                     "--max-concurrent-requests, so nothing queues)")
+    tgi.add_argument("--max-batch-total-tokens", type=_positive_int, default=None, metavar="N",
+                     help="the running batch's token budget (prompt + max new tokens each); "
+                     "sets --kv-cache-blocks to N / --block-size")
     media = parser.add_argument_group("tts, whisper")
     media.add_argument("--voice", action="append", dest="voices", metavar="NAME",
                        help="tts: an accepted voice, repeatable (default: OpenAI's 11 voices "
@@ -90,6 +116,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "top-level words (vLLM leaves them null)")
     media.add_argument("--whisper-cpp-errors-200", action="store_true",
                        help="whisper: /inference errors come with HTTP 200, as up to v1.8.x")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, not {text}")
+    return value
+
+
+def _kv_cache_blocks(args: argparse.Namespace) -> int:
+    if args.max_batch_total_tokens is None:
+        return int(args.kv_cache_blocks)
+    return max(1, int(args.max_batch_total_tokens) // int(args.block_size))
 
 
 def _sample_rate(text: str) -> int:
@@ -105,6 +158,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         ttft_ms=args.ttft_ms,
         tokens_per_s=args.tokens_per_s,
         max_concurrency=args.max_concurrency,
+        max_batch_size=args.max_batch_size,
         startup_delay_s=args.startup_delay,
         fail_generation=args.fail_generation,
         default_completion_tokens=args.completion_tokens,
@@ -112,6 +166,9 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         max_queued=args.max_queued,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         block_size=args.block_size,
+        kv_cache_blocks=_kv_cache_blocks(args),
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        speed=args.speed,
         voices=tuple(args.voices or ()),
         sample_rate=args.sample_rate,
         word_timestamps=args.word_timestamps,

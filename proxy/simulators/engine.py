@@ -1,38 +1,11 @@
-"""vLLM engine behaviour the simulator reproduces beyond the wire: its prefix cache (what
-`prompt_tokens_details.cached_tokens` reports), its latency histograms and its /metrics text
-(prometheus_client's exposition, as vLLM 0.32 serves it; the families a gateway reads).
+"""What the chat simulators report of their engine: latency histograms and /metrics text
+(prometheus_client's exposition, as vLLM 0.32 serves it; the families a gateway reads). The
+engine itself (batch, queue, KV and prefix cache) is `scheduler` and `kvcache`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-
-_SEEN_KEPT = 100_000  # prompts remembered by the prefix cache before it forgets them all
-
-
-class PrefixCache:
-    """Automatic prefix caching, coarsely: a prompt seen before hits in whole blocks, all but
-    its last token (vLLM always computes at least one); a new prompt misses. (vLLM also shares
-    the common blocks of different prompts; this does not.)"""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = max(1, block_size)
-        self._seen: set[bytes] = set()
-        self.queries = 0  # tokens looked up
-        self.hits = 0  # tokens found
-
-    def lookup(self, key: bytes, tokens: int) -> tuple[int, int]:
-        """(cached, newly cached) tokens of this prompt; remembers the prompt."""
-        self.queries += tokens
-        blocks = max(0, tokens - 1) // self.block_size * self.block_size
-        if key in self._seen:
-            self.hits += blocks
-            return blocks, 0
-        if len(self._seen) >= _SEEN_KEPT:
-            self._seen.clear()
-        self._seen.add(key)
-        return 0, blocks
-
 
 # vLLM 0.32's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -80,8 +80,8 @@ async def generations(ex: Exchange) -> web.StreamResponse:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise wrong_type("seed", "an integer", seed)
-    if ex.config.ttft_ms > 0:
-        await pause(ex.request, ex.config.ttft_ms / 1000)
+    if ex.config.ttft_s > 0:
+        await pause(ex.request, ex.config.ttft_s)
     side = min(int(size.split("x")[0]), MAX_RENDER)
     data = []
     for index in range(n):

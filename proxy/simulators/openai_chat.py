@@ -36,7 +36,7 @@ from proxy.simulators.textgen import (
     generate,
     pick_tool,
     prompt_key,
-    prompt_tokens,
+    prompt_token_list,
     token_logprob,
     top_alternatives,
 )
@@ -184,13 +184,11 @@ def chat_handler(d: Dialect) -> Handler:
         if d.tools_exclude_response_format and req.tools and req.response_format is not None:
             raise HttpError(422, "Grammar and tools are mutually exclusive", "tool_error")
         ex.model = model
-        ex.prompt_tokens = prompt_tokens(req.messages)
+        ex.prompt = prompt_token_list(req.messages)
+        ex.prompt_tokens = len(ex.prompt)
         ex.prompt_chars = sum(len(content_text(m.get("content"))) for m in req.messages)
         key = prompt_key(model, req.messages)
-        limit = req.max_tokens if d.check is None else d.check(ex, req)
-        if d.check is not None:
-            ex.cached_tokens, ex.created_cache_tokens = ex.state.cache.lookup(
-                key, ex.prompt_tokens)
+        limit = ex.token_cap = req.max_tokens if d.check is None else d.check(ex, req)
         # ignore_eos: the "model" would go on past the cap, so the cap ends it (length).
         natural = limit + 1 if req.ignore_eos and limit is not None else ex.natural_tokens
         tool = pick_tool(req.tools, req.tool_choice)

@@ -24,7 +24,7 @@ import orjson
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.simulators.engine import Latencies, PrefixCache
+from proxy.simulators.engine import Latencies
 from proxy.simulators.faults import (
     NO_FAULTS,
     ClientGone,
@@ -37,6 +37,7 @@ from proxy.simulators.faults import (
     pause,
     tgi_error_type,
 )
+from proxy.simulators.scheduler import Scheduler, Seq
 from proxy.simulators.textgen import LENGTH, Generation
 
 RECORDS_KEPT = 1000
@@ -51,7 +52,9 @@ class SimConfig:
     models: tuple[str, ...]
     ttft_ms: float = 0.0
     tokens_per_s: float = 0.0  # 0: no pacing, tokens as fast as the socket takes them
-    max_concurrency: int = 128  # TGI: 429 beyond it; vLLM: --max-num-seqs (waits beyond it)
+    # TGI --max-concurrent-requests: 429 beyond it; vLLM --max-num-seqs: its running batch.
+    max_concurrency: int = 128
+    max_batch_size: int | None = None  # TGI's running batch; None: max_concurrency (no queue)
     startup_delay_s: float = 0.0
     fail_generation: bool = False  # /health stays OK while every generation fails
     default_completion_tokens: int = 16
@@ -59,13 +62,35 @@ class SimConfig:
     max_model_len: int = 32768  # the context: prompt + completion
     max_queued: int | None = None  # --max-num-queued-reqs: in flight beyond it -> 503
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (cached tokens)
-    block_size: int = 16  # prefix-cache block: a repeated prompt hits in whole blocks
+    block_size: int = 16  # KV-cache block: prompts share a cached beginning in whole blocks
+    # KV-cache capacity in blocks (vLLM's num_gpu_blocks): with 16-token blocks, the 1,048,576
+    # tokens of the captured vLLM's cache; so much that only a pool meant to fill it does.
+    kv_cache_blocks: int = 65536
+    prefill_ms_per_1k_tokens: float = 0.0  # prefill cost of the prompt tokens not cached
+    speed: float = 1.0  # divides every latency: 0.33 is a replica three times slower
     death_close_s: float = 3.0  # after an engine death the port closes within this long
     # Media kinds (`simulate tts|whisper|image|video`); the chat kinds ignore these.
     voices: tuple[str, ...] = ()  # tts: accepted voices; () = the default list
     sample_rate: int = 24000  # tts: output rate (22050 emulates Piper)
     word_timestamps: bool = False  # whisper: honour timestamp_granularities[]=word (vLLM won't)
     whisper_cpp_errors_200: bool = False  # whisper /inference: errors with HTTP 200 (<= v1.8)
+
+    @property
+    def batch_size(self) -> int:
+        return self.max_batch_size or self.max_concurrency
+
+    @property
+    def ttft_s(self) -> float:
+        """`ttft_ms` at this replica's speed (the media kinds' processing time)."""
+        return self.ttft_ms / 1000 / self.speed
+
+    @property
+    def token_interval_s(self) -> float:
+        return 1 / (self.tokens_per_s * self.speed) if self.tokens_per_s > 0 else 0.0
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self.prefill_ms_per_1k_tokens / 1_000_000 / self.speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +161,14 @@ class SimState:
         self.records: deque[Record] = deque(maxlen=RECORDS_KEPT)
         self.in_flight = self.total = self.cancelled = 0
         self.requests = 0  # like `total`, but never reset: Prometheus counters only grow
-        self.running = self.waiting = self.successes = 0
+        self.successes = 0
         self.failures: Counter[str] = Counter()  # TGI error_type, "dropped" or "incomplete"
         self.finished: Counter[tuple[str, str]] = Counter()  # (model, stop|length|abort)
         self.prompt_tokens: Counter[str] = Counter()
         self.generation_tokens: Counter[str] = Counter()
         self.rejected = 0  # vLLM admission rejections (queue full)
-        self.cache = PrefixCache(config.block_size)
+        self.engine = Scheduler(config, reserve_whole=kind == "tgi")
         self.latency = Latencies()
-        self._slots = asyncio.Semaphore(config.max_concurrency)
         # The engine died (vLLM: its EngineCore); then the port closes, as the server exits.
         self.dead = False
         # Stops listening (set by whoever runs the app: the CLI exits, a test stops its site).
@@ -153,10 +177,18 @@ class SimState:
         self._close_at = math.inf
 
     @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.engine.waiting)
+
+    @property
     def full(self) -> bool:
         """vLLM's admission control: in flight (running and waiting) at --max-num-queued-reqs."""
         limit = self.config.max_queued
-        return limit is not None and self.running + self.waiting >= limit
+        return limit is not None and self.engine.in_flight >= limit
 
     def die(self) -> None:
         """The engine is gone: /health 503, requests 500, live streams end with an error
@@ -185,22 +217,6 @@ class SimState:
     def reset(self) -> None:
         self.records.clear()
         self.total = self.cancelled = 0
-
-    async def acquire(self, queue: bool) -> bool:
-        """Take a generation slot; vLLM queues when all are busy, TGI answers overloaded."""
-        if self._slots.locked() and not queue:
-            return False
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-        return True
-
-    def release(self) -> None:
-        self.running -= 1
-        self._slots.release()
 
 
 STATE = web.AppKey("sim_state", SimState)
@@ -357,12 +373,15 @@ class Exchange:
         self.started = time.monotonic()
         self.first_token: float | None = None
         self.model = ""
+        self.prompt: Sequence[str] = ()  # the prompt's tokens, for the prefix cache
         self.prompt_tokens = 0
         self.prompt_chars = 0  # TGI's x-compute-characters
+        self.token_cap: int | None = None  # the request's max new tokens, if it set one
         self.cached_tokens = 0  # vLLM: prompt tokens found in the prefix cache ...
         self.created_cache_tokens = 0  # ... and written to it
         self.generations: list[Generation] = []
-        self.holds_slot = False
+        self.seq: Seq | None = None  # set once the engine scheduled it
+        self.scheduled: float | None = None  # time.monotonic() then
         self.fields: list[FormField] = []  # form routes: the parsed body
         self.errors: ErrorStyle | None = None  # the route's own envelope, if not the kind's
 
@@ -371,23 +390,40 @@ class Exchange:
         tokens = self.faults.tokens
         return self.config.default_completion_tokens if tokens is None else tokens
 
+    @property
+    def queue_s(self) -> float:
+        """Seconds it waited for the engine to schedule it."""
+        return (self.scheduled or self.started) - self.started
+
     async def admit(self) -> bool:
-        self.holds_slot = await self.state.acquire(queue=self.state.kind == "vllm")
-        return self.holds_slot
+        """Wait until the engine schedules this request (its generations already drawn).
+        TGI refuses instead (False: overloaded) once `max_concurrency` requests are in."""
+        engine = self.state.engine
+        if self.state.kind != "vllm" and engine.in_flight >= engine.max_in_flight:
+            return False
+        seq = engine.sequence(self.prompt, [g.completion_tokens for g in self.generations],
+                              self.token_cap)
+        await engine.admit(seq)
+        self.seq, self.scheduled = seq, time.monotonic()
+        self.cached_tokens, self.created_cache_tokens = seq.cached_tokens, seq.created_tokens
+        return True
 
     def pacer(self) -> Pacer:
-        return Pacer(self.request, self.config)
+        assert self.seq is not None, "tokens are paced once the engine scheduled the request"
+        return Pacer(self.request, self.seq.first_token, self.seq.interval)
 
 
 class Pacer:
-    """Token timing: `ttft_ms` before the first token, then one every 1/`tokens_per_s`."""
+    """Token timing: the first token when the scheduler said (queue, prefill, `ttft_ms`),
+    then one every `interval` seconds."""
 
-    def __init__(self, request: web.BaseRequest, config: SimConfig) -> None:
+    def __init__(self, request: web.BaseRequest, first_token: float, interval: float) -> None:
         self._request = request
         self._loop = asyncio.get_running_loop()
-        self._due = self._loop.time() + config.ttft_ms / 1000
-        self._interval = 1 / config.tokens_per_s if config.tokens_per_s > 0 else 0.0
-        self._instant = config.ttft_ms <= 0 and self._interval == 0  # the benchmark setting
+        self._due = first_token
+        self._interval = interval
+        # The benchmark setting: no pacing at all, not even a zero sleep.
+        self._instant = interval == 0 and first_token <= self._loop.time()
 
     async def step(self) -> None:
         """Wait until the next token is due."""
@@ -533,8 +569,8 @@ async def _run(ex: Exchange, handler: Handler, form: bool) -> web.StreamResponse
 def _settle(state: SimState, ex: Exchange) -> None:
     outcome = ex.record.outcome = ex.outcome or "error"
     state.in_flight -= 1
-    if ex.holds_slot:
-        state.release()
+    if ex.seq is not None:
+        state.engine.release(ex.seq)
     if outcome == "completed":
         now = time.monotonic()
         state.latency.e2e.observe(now - ex.started)

@@ -79,6 +79,31 @@ def prompt_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
     return total
 
 
+def text_tokens(text: str) -> list[str]:
+    """The tokens `count_tokens` counts, in order."""
+    return _TOKEN_RE.findall(text)
+
+
+def prompt_token_list(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The tokens `prompt_tokens` counts, in order (what the prefix cache hashes): each
+    message's text and tool calls inside its 4 template tokens, as a chat template frames
+    them, so prompts that begin with the same messages begin with the same tokens."""
+    tokens: list[str] = []
+    for message in messages:
+        role = message.get("role")
+        tokens += ("<|start|>", role if isinstance(role, str) else "", "<|content|>")
+        tokens += _TOKEN_RE.findall(content_text(message.get("content")))
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                name, args = function.get("name"), function.get("arguments")
+                tokens += _TOKEN_RE.findall((name if isinstance(name, str) else "")
+                                            + (args if isinstance(args, str) else ""))
+        tokens.append("<|end|>")
+    return tokens
+
+
 def prompt_key(model: str, prompt: object) -> bytes:
     """Stable digest of (model, canonical JSON of messages or inputs) seeding generation."""
     canonical = orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)

@@ -2,7 +2,12 @@
 
 Quirks kept on purpose: `data:` without a space, no `[DONE]` on `/generate_stream`, stream
 errors in-band with HTTP 200, the prompt-token count only in `x-prompt-tokens`, 429 when more
-than `max_concurrency` requests are in flight, counters without `_total`.
+than `max_concurrency` (`--max-concurrent-requests`) requests are in flight, counters without
+`_total`. Beyond `--max-batch-size` running, or once the running batch's token budgets
+(prompt plus max new tokens each) would pass the cache's, requests wait in the queue
+(`tgi_queue_size`); `x-queue-time` says how long. Differences: a request without
+`max_new_tokens` reserves what it will generate, where TGI reserves up to `max_total_tokens`;
+the prefix cache (TGI 3 has one) is the vLLM simulator's, block hashes and all.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from proxy.simulators.textgen import (
     STOP_SEQUENCE,
     TOOL_CALLS,
     Generation,
-    count_tokens,
     generate,
     prompt_key,
+    text_tokens,
     token_id,
     token_logprob,
     top_alternatives,
@@ -72,15 +77,17 @@ def _headers(ex: Exchange, generated: int | None) -> Mapping[str, str]:
             "x-compute-characters": chars,
         }
     total_ms = int((time.monotonic() - ex.started) * 1000)
+    queue_ms = min(int(ex.queue_s * 1000), total_ms)
+    inference_ms = total_ms - queue_ms
     return {
         "x-compute-type": COMPUTE_TYPE,
         "x-compute-time": f"{total_ms / 1000:.3f}",
         "x-compute-characters": chars,
         "x-total-time": str(total_ms),
         "x-validation-time": "0",
-        "x-queue-time": "0",
-        "x-inference-time": str(total_ms),
-        "x-time-per-token": str(total_ms // max(generated, 1)),
+        "x-queue-time": str(queue_ms),
+        "x-inference-time": str(inference_ms),
+        "x-time-per-token": str(inference_ms // max(generated, 1)),
         "x-prompt-tokens": str(ex.prompt_tokens),
         "x-generated-tokens": str(generated),
     }
@@ -182,8 +189,10 @@ def _top(text: str, n: int) -> list[dict[str, Any]]:
 def _generate(ex: Exchange, req: GenerateRequest) -> Generation:
     model = ex.config.models[0]
     ex.model = model
-    ex.prompt_tokens = count_tokens(req.inputs)
+    ex.prompt = text_tokens(req.inputs)
+    ex.prompt_tokens = len(ex.prompt)
     ex.prompt_chars = len(req.inputs)
+    ex.token_cap = req.max_new_tokens
     generation = generate(
         prompt_key(model, req.inputs),
         req.seed or 0,
@@ -204,11 +213,11 @@ def _not_json(ex: Exchange) -> web.Response | None:
 
 
 async def _generate_json(ex: Exchange, req: GenerateRequest) -> dict[str, Any]:
+    g = _generate(ex, req)
     if not await ex.admit():
         raise HttpError(429, "Model is overloaded", "overloaded")
     if ex.config.fail_generation:
         raise HttpError(*GENERATION_FAILURE)
-    g = _generate(ex, req)
     await ex.pacer().whole(len(g.tokens))
     body: dict[str, Any] = {"generated_text": (req.inputs if req.return_full_text else "") + g.text}
     if req.details:
@@ -243,11 +252,11 @@ async def _generate_stream(ex: Exchange, raw: bytes) -> web.StreamResponse:
     await writer.open(_headers(ex, None))
     if req is None:  # TGI validates inside the stream: the error is in-band, status 200
         await writer.fail(invalid, "validation")
+    g = _generate(ex, req)
     if not await ex.admit():
         await writer.fail("Model is overloaded", "overloaded")
     if ex.config.fail_generation:
         await writer.fail(GENERATION_FAILURE[1], GENERATION_FAILURE[2])
-    g = _generate(ex, req)
     tokens = [_token(t) for t in g.tokens] or [_token("</s>", special=True)]
     pacer = ex.pacer()
     for index, token in enumerate(tokens, 1):
@@ -339,6 +348,7 @@ async def models(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """metrics-rs exposition: counters keep their bare names (no `_total`)."""
     state = request.app[STATE]
+    engine = state.engine
     failures: dict[str, int] = dict.fromkeys(_LABELS, 0)
     for kind, count in state.failures.items():
         label = _FAILURE_LABELS.get(kind, kind)
@@ -354,8 +364,10 @@ async def metrics(request: web.Request) -> web.Response:
         f"tgi_queue_size {state.waiting}",
         "# TYPE tgi_batch_current_size gauge",
         f"tgi_batch_current_size {state.running}",
+        "# TYPE tgi_batch_current_max_tokens gauge",
+        f"tgi_batch_current_max_tokens {engine.reserved_tokens()}",
         "# TYPE tgi_batch_max_total_tokens gauge",
-        "tgi_batch_max_total_tokens 8192",
+        f"tgi_batch_max_total_tokens {engine.capacity_tokens}",
     ]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

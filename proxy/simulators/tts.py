@@ -199,8 +199,8 @@ async def speech(ex: Exchange) -> web.StreamResponse:
 async def send_chunked(ex: Exchange, payload: bytes, content_type: str) -> web.StreamResponse:
     """Write `payload` in CHUNKS chunks (after `--ttft-ms`), honouring the stream faults."""
     request = ex.request
-    if ex.config.ttft_ms > 0:
-        await pause(request, ex.config.ttft_ms / 1000)
+    if ex.config.ttft_s > 0:
+        await pause(request, ex.config.ttft_s)
     response = web.StreamResponse(headers={"Content-Type": content_type})
     response.enable_chunked_encoding()
     ex.stream = response

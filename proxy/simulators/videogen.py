@@ -73,8 +73,8 @@ async def generations(ex: Exchange) -> web.StreamResponse:
         raise invalid(f"Invalid 'size': '{size}'. Expected 'WIDTHxHEIGHT', each side 1 to "
                       f"{MAX_SIDE} pixels.", "size")
     width, height = int(match[1]), int(match[2])
-    if ex.config.ttft_ms > 0:
-        await pause(ex.request, ex.config.ttft_ms / 1000)
+    if ex.config.ttft_s > 0:
+        await pause(ex.request, ex.config.ttft_s)
     count = max(1, round(seconds * fps))
     # The largest video (600 frames of 256x256) takes seconds to build: in a thread, so the
     # server keeps answering meanwhile.

@@ -2,12 +2,14 @@
 
 Several `--model` names act like vLLM's `--served-model-name` aliases of one engine: each is
 listed by /v1/models and accepted in requests, and metrics carry the first name, as vLLM's do.
-Excess load queues (visible as `vllm:num_requests_waiting`); beyond `--max-num-queued-reqs`
-requests get vLLM's 503 (no Retry-After); vLLM never answers 429. The context
-(`--max-model-len`) bounds `max_tokens` (400 beyond it) and the prompt (400), and a request's
-completion is cut where the context ends. `POST /_sim/engine-death` is `kill -9` of the
-EngineCore: /health 503, requests 500 `EngineDeadError`, live streams end with the error event,
-and the port closes (at the first request that meets the dead engine, or after
+Beyond `--max-num-seqs` running, or when the KV cache (`--num-gpu-blocks-override` blocks of
+`--block-size`) has no room for a prompt, requests queue (`vllm:num_requests_waiting`);
+beyond `--max-num-queued-reqs` in flight they get vLLM's 503 (no Retry-After); vLLM never
+answers 429. The engine model (batch, queue, serial prefill, prefix cache) is `scheduler`.
+The context (`--max-model-len`) bounds `max_tokens` (400 beyond it) and the prompt (400), and
+a request's completion is cut where the context ends. `POST /_sim/engine-death` is `kill -9`
+of the EngineCore: /health 503, requests 500 `EngineDeadError`, live streams end with the
+error event, and the port closes (at the first request that meets the dead engine, or after
 `death_close_s`), as the real API server exits.
 
 `tests/real_engine/test_fidelity.py` compares this simulator with a real vLLM 0.32 (CPU build)
@@ -16,9 +18,16 @@ request by request. Differences kept on purpose:
 - Text and token counts: lorem-ipsum words and the simulator's regex token rule
   (`textgen`), not a model and its tokenizer; EOS comes at `--completion-tokens` (or
   `x-sim-tokens`), not by chance. Logprobs are stable fakes.
-- Prefix cache: only a prompt seen before hits (in whole blocks of `--block-size`, all but
-  its last token); vLLM also shares common blocks between different prompts. KV-cache usage
-  stays 0, nothing is ever preempted.
+- Prefix cache: the prompt's full blocks are hashed over the simulator's tokens (chat
+  template tokens included), so hits come in whole blocks of `--block-size` as vLLM's do,
+  but only prompt blocks are cached (vLLM also caches a finished answer's blocks, which the
+  next turn of a conversation can hit). `n` > 1 is one request to the scheduler (vLLM
+  schedules n). Requests hit blocks of a request still in prefill, as when vLLM schedules
+  them in the same step.
+- Timing: prefills run one after another at `--prefill-ms-per-1k-tokens` and decoding at
+  `--tokens-per-s` per request, whatever the batch (vLLM mixes chunked prefills into decode
+  steps and slows down as the batch grows). Nothing is preempted: a batch that outgrows the
+  KV cache while decoding only pins `vllm:kv_cache_usage_perc` at 1.
 - A prompt over the context is judged by tokens only (vLLM first rejects a prompt of more
   characters than the context could hold, naming `input_text`); pydantic errors (missing
   `messages`, malformed JSON) are worded differently, with the same 400.
@@ -217,17 +226,19 @@ async def metrics(request: web.Request) -> web.Response:
               state.running)
     out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
               state.waiting)
-    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", 0.0)
+    engine = state.engine
+    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              engine.kv_usage())
     out.counter("vllm:prefix_cache_queries_total",
-                "Prefix cache queries, in terms of number of queried tokens.", state.cache.queries)
+                "Prefix cache queries, in terms of number of queried tokens.", engine.queries)
     out.counter("vllm:prefix_cache_hits_total",
-                "Prefix cache hits, in terms of number of cached tokens.", state.cache.hits)
+                "Prefix cache hits, in terms of number of cached tokens.", engine.hits)
     out.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
                 0)
     out.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
                 sum(state.prompt_tokens.values()))
     out.counter("vllm:prompt_tokens_cached_total",
-                "Number of cached prompt tokens (local + external).", state.cache.hits)
+                "Number of cached prompt tokens (local + external).", engine.hits)
     out.counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
                 sum(state.generation_tokens.values()))
     out.family("vllm:request_success_total", "counter",

@@ -466,8 +466,8 @@ async def openai_audio(ex: Exchange, task: str) -> web.StreamResponse:
     language = form.text("language")
     if language is not None and language not in VLLM_LANGUAGES and language not in LANGUAGES:
         raise bad(f"Unsupported language: {language!r}.  Must be one of {list(VLLM_LANGUAGES)}.")
-    if ex.config.ttft_ms > 0:
-        await pause(ex.request, ex.config.ttft_ms / 1000)
+    if ex.config.ttft_s > 0:
+        await pause(ex.request, ex.config.ttft_s)
     text, duration = _transcript(data, heard)
     segs = segments(text, duration)
     if stream:
@@ -591,8 +591,8 @@ async def _whisper_cpp(ex: Exchange) -> web.StreamResponse:
         heard = None
     if heard is None or heard.format not in CPP_AUDIO:
         raise HttpError(status, "failed to read audio data")
-    if ex.config.ttft_ms > 0:
-        await pause(ex.request, ex.config.ttft_ms / 1000)
+    if ex.config.ttft_s > 0:
+        await pause(ex.request, ex.config.ttft_s)
     text, duration = _transcript(data, heard)
     segs = segments(text, duration)
     fmt = form.text("response_format") or "json"

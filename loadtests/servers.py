@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,9 +156,10 @@ def simulator_args(
     ]
 
 
-def gateway_args(config_dir: Path, port: int) -> list[str]:
+def gateway_args(config_dir: Path, port: int, workers: int = 1) -> list[str]:
+    # The benchmark measures one worker (DESIGN §7); the routing benchmark runs two.
     return [sys.executable, "-m", "proxy", "serve", "--config", str(config_dir),
-            "--port", str(port), "--workers", "1"]  # DESIGN §7 measures one worker
+            "--port", str(port), "--workers", str(workers)]
 
 
 @dataclass(frozen=True)
@@ -167,12 +168,14 @@ class Backend:
     kind: str
     url: str
     model: str
+    weight: int = 1  # backends.toml `weight`: picks favour it in proportion
 
 
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
-                         ledger_fsync: str = "always", access_log: str = "stderr") -> Path:
+                         ledger_fsync: str = "always", access_log: str = "stderr",
+                         routing: Mapping[str, str | float] | None = None) -> Path:
     """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic
-    strings, which quotes paths and URLs safely)."""
+    strings, which quotes paths and URLs safely); `routing`: its [routing] section, if any."""
     q = json.dumps
     folder.mkdir(parents=True, exist_ok=True)
     text = ("[gateway]\n"
@@ -182,10 +185,13 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
             # Probes still run every 5 s, but a mock slowed down by the busy load core must not
             # be ejected mid-run (that would show as 503 "no healthy backend").
             "[health]\ntimeout_s = 10\n")
+    if routing:
+        text += "\n[routing]\n" + "".join(f"{k} = {q(v)}\n" for k, v in routing.items())
     for b in backends:
         text += ("\n[[backends]]\n"
                  f"name = {q(b.name)}\nkind = {q(b.kind)}\nurl = {q(b.url)}\n"
-                 f"models = [{q(b.model)}]\nmax_concurrency = 100000\n")
+                 f"models = [{q(b.model)}]\nmax_concurrency = 100000\n"
+                 + (f"weight = {b.weight}\n" if b.weight != 1 else ""))
     (folder / "backends.toml").write_text(text)
     policies = folder / "policies"
     policies.mkdir(exist_ok=True)
@@ -250,6 +256,18 @@ def gateway_worker_pid(master_pid: int, *, timeout: float = 10.0) -> int:
             return workers[0]
         if time.monotonic() > deadline:
             raise ServerFailed(f"expected one gateway worker process, found {len(workers)}")
+        time.sleep(0.05)
+
+
+def gateway_worker_pids(master_pid: int, count: int, *, timeout: float = 10.0) -> list[int]:
+    """The `count` worker processes of a gateway master started with `--workers count`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = [c.pid for c in procs.descendants(master_pid) if WORKER_MODULE in c.cmdline]
+        if len(workers) == count:
+            return workers
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"expected {count} gateway worker processes, found {len(workers)}")
         time.sleep(0.05)
 
 

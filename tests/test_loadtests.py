@@ -69,6 +69,31 @@ def test_bench_quick_run_measures_both_targets_without_errors(tmp_path: Path) ->
     assert took < 40, f"--quick took {took:.0f} s"
 
 
+def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> None:
+    """`python -m loadtests.routing --quick`: three simulators and a two-worker gateway per pick;
+    every pick streams its requests without an error and the engines' counters were read."""
+    out = tmp_path / "routing.json"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtests.routing", "--quick", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert list(figures["picks"]) == ["p2c", "engine", "prefix"]
+    for pick, summary in figures["picks"].items():
+        assert summary["errors"] == 0, (pick, summary["error_kinds"])
+        assert summary["requests"] > 0 and summary["ttft_p50_ms"] > 0, pick
+        assert sum(r["completed"] for r in summary["replicas"]) > 0, pick  # /metrics deltas
+        assert summary["prefix_cache_hit_rate"] > 0, pick  # the shared starts hit
+    # A smoke run judges errors only.
+    assert figures["passed"] is True
+    assert [c["passed"] for c in figures["checks"] if c["name"] != "failed requests, all picks"
+            ] == [None] * 3
+    assert took < 40, f"--quick took {took:.0f} s"
+
+
 def test_mock_stream_is_52_events_vllm_would_send() -> None:
     events = mock.stream_events()
     assert len(events) == mock.STREAM_EVENTS == 52

@@ -1,0 +1,675 @@
+"""Routing benchmark (issue 17, part 5): the three chat picks on an uneven pool of engines.
+
+    python -m loadtests.routing [--duration 45] [--json PATH] [--strict] [--quick]
+
+For each pick (p2c, engine, prefix), one run starts three fresh vLLM simulators that behave
+like engines (a running batch of 8, a prefill cost per uncached prompt token, paced tokens, a KV
+cache that holds a few system prompts; the third replica three times slower), so every pick
+starts with cold caches, and a gateway with two workers routing by that pick. It then streams
+chat requests at about 80 % of the pool's capacity, open loop (Poisson arrivals, the same seeded
+schedule and bodies for every pick), drawn from 20 shared system prompts with varied user turns,
+and reads the simulators' own /metrics before and after.
+
+Per pick: time to first token (first content event, from the scheduled start) p50/p99,
+completed requests/s, errors, prefix-cache hit rate (tokens, over all three replicas), and the
+load per replica (completed requests, and requests in flight sampled every 0.25 s). Judged
+against the issue's targets: `engine` p99 TTFT <= 0.6 x `p2c`'s, `prefix` hit rate >= 3 x
+`p2c`'s, and under `prefix` no replica above (1 + load_bound) x the mean (loadtests/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import platform
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from loadtests import loadgen, procs
+from loadtests.bench import run_async
+from loadtests.servers import (
+    Backend,
+    Server,
+    ServerFailed,
+    create_keys,
+    free_port,
+    gateway_args,
+    gateway_worker_pids,
+    wait_ready,
+    write_gateway_config,
+)
+from proxy.config import RoutingSection
+from proxy.simulators.textgen import VOCAB, prompt_tokens
+from proxy.upstream.routing import Weights, prefix_key, rendezvous_order
+
+PICKS = ("p2c", "engine", "prefix")
+MODEL = "acme/small-chat"
+CHAT_PATH = "/v2/compat/v1/chat/completions"
+WORKERS = 2
+KEYS = 40
+CREDITS_PER_ACCOUNT = 1000
+MAX_TOKENS = 64  # the simulators stop at --completion-tokens, well before it
+SAMPLE_S = 0.25  # the in-flight sampling interval (the gateway's own scrape interval)
+# The issue's targets.
+TTFT_RATIO_MAX = 0.6
+HIT_RATIO_MIN = 3.0
+DEFAULT_ROUTING = RoutingSection()  # the score's weights, as shipped
+DEFAULT_LOAD_BOUND = DEFAULT_ROUTING.load_bound
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The simulators' settings (`python -m proxy simulate vllm ...`)."""
+
+    max_num_seqs: int = 8
+    prefill_ms_per_1k_tokens: float = 60.0
+    tokens_per_s: float = 100.0
+    ttft_ms: float = 20.0
+    completion_tokens: int = 32
+    kv_cache_blocks: int = 512
+    block_size: int = 16
+    speeds: tuple[float, ...] = (1.0, 1.0, 0.33)
+
+    def args(self, port: int, speed: float) -> list[str]:
+        return [
+            sys.executable, "-m", "proxy", "simulate", "vllm", "--host", "127.0.0.1",
+            "--port", str(port), "--model", MODEL, "--max-num-seqs", str(self.max_num_seqs),
+            "--prefill-ms-per-1k-tokens", f"{self.prefill_ms_per_1k_tokens:g}",
+            "--tokens-per-s", f"{self.tokens_per_s:g}", "--ttft-ms", f"{self.ttft_ms:g}",
+            "--completion-tokens", str(self.completion_tokens),
+            "--kv-cache-blocks", str(self.kv_cache_blocks),
+            "--block-size", str(self.block_size), "--speed", f"{speed:g}",
+        ]
+
+    def capacity(self, speed: float, uncached_tokens: float) -> float:
+        """Requests/s one replica completes when each needs `uncached_tokens` prefilled: the
+        batch's slots over the time a request holds one, or the prefill lane (prefills run one
+        at a time), whichever binds first."""
+        prefill = uncached_tokens * self.prefill_ms_per_1k_tokens / 1e6 / speed
+        decode = (self.completion_tokens - 1) / self.tokens_per_s / speed if (
+            self.tokens_per_s > 0) else 0.0
+        held = prefill + self.ttft_ms / 1000 / speed + decode
+        slots = self.max_num_seqs / held if held > 0 else math.inf
+        return min(slots, 1 / prefill) if prefill > 0 else slots
+
+
+@dataclass(frozen=True)
+class Workload:
+    """20 conversation starts, each a system prompt, a first user turn and the assistant's
+    reply, shared by every request drawn from it; each request adds its own last user turn.
+
+    The gateway's prefix key is the system prompt plus the *first* user turn, so the shared
+    part includes one (a task statement, as many applications send): with `single_turn` the
+    varied question is the first user turn, every request has a key of its own, and `prefix`
+    cannot keep a system prompt on one replica (a variant; the default is what is reported)."""
+
+    prompts: int = 20
+    system_tokens: int = 1200
+    context_tokens: int = 100
+    question_tokens: tuple[int, int] = (20, 100)
+    single_turn: bool = False
+    seed: int = 17
+
+    def starts(self) -> list[list[dict[str, str]]]:
+        rng = random.Random(self.seed)
+        out = []
+        for i in range(self.prompts):
+            # A distinct first block: no two system prompts share a cached block.
+            system = f"You are assistant number {i} of the help desk. " + _text(
+                rng, self.system_tokens - 11)
+            messages = [{"role": "system", "content": system}]
+            if not self.single_turn:
+                messages += [
+                    {"role": "user", "content": f"Task {i}: " + _text(rng,
+                                                                        self.context_tokens - 3)},
+                    {"role": "assistant", "content": "Understood. Send me the question."},
+                ]
+            out.append(messages)
+        return out
+
+    def shared_tokens(self) -> int:
+        """Prompt tokens a request shares with others of its start (as the simulator counts)."""
+        return sum(prompt_tokens(s) for s in self.starts()) // self.prompts
+
+
+@dataclass(frozen=True)
+class Planned:
+    offset_s: float  # from the schedule's start
+    body: bytes
+    prompt_tokens: int
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    """`tokens` tokens as the simulator counts them: words and full stops."""
+    words: list[str] = []
+    count = 0
+    while count < tokens:
+        sentence = [rng.choice(VOCAB) for _ in range(min(11, max(1, tokens - count - 1)))]
+        words.append(" ".join(sentence) + ".")
+        count += len(sentence) + 1
+    return " ".join(words)
+
+
+def plan(workload: Workload, rate: float, duration_s: float, seed: int) -> list[Planned]:
+    """Poisson arrivals at `rate` for `duration_s`, each drawing a start and a new question."""
+    rng = random.Random(seed)
+    starts = workload.starts()
+    out: list[Planned] = []
+    at = rng.expovariate(rate)
+    while at < duration_s:
+        start = starts[rng.randrange(len(starts))]
+        low, high = workload.question_tokens
+        question = {"role": "user", "content": _text(rng, rng.randint(low, high))}
+        messages = [*start, question]
+        body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
+                "stream_options": {"include_usage": True}}
+        out.append(Planned(at, orjson.dumps(body), prompt_tokens(messages)))
+        at += rng.expovariate(rate)
+    return out
+
+
+# --- the engines' own figures -------------------------------------------------------------
+
+
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:request_success_total")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {family: sum of its samples over all labels} for the names used."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in COUNTERS or name in GAUGES:
+            with contextlib.suppress(ValueError, IndexError):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, float]]:
+    async def one(url: str) -> dict[str, float]:
+        try:
+            async with session.get(url + "/metrics") as resp:
+                return parse_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError) as exc:  # every figure would be wrong
+            raise ServerFailed(f"could not read {url}/metrics: {exc!r}") from exc
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def engine_score(figures: dict[str, float], routing: RoutingSection = DEFAULT_ROUTING) -> float:
+    """The gateway's `engine` load score (proxy.upstream.pool.Backend.engine_load) from one
+    read of /metrics, without the requests a worker sent since its last read."""
+    return (routing.waiting_weight * figures.get("vllm:num_requests_waiting", 0.0)
+            + routing.running_weight * figures.get("vllm:num_requests_running", 0.0)
+            + routing.kv_cache_weight * figures.get("vllm:kv_cache_usage_perc", 0.0))
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A replica as rendezvous hashing sees it: a name and a weight."""
+
+    name: str
+    weight: int = 1
+    outstanding: int = 0
+
+    def local_score(self) -> float:
+        return 0.0
+
+    def engine_load(self, weights: Weights, now: float) -> float | None:
+        return None
+
+
+def first_choices(workload: Workload, names: Sequence[str], weights: Sequence[int]
+                  ) -> list[int]:
+    """How many of the workload's starts each replica is the `prefix` pick's first choice for,
+    by the gateway's own key and rendezvous order."""
+    replicas = [_Named(n, w) for n, w in zip(names, weights, strict=True)]
+    counts = [0] * len(names)
+    for start in workload.starts():
+        # The varied question does not enter the key unless it is the first user turn.
+        key = prefix_key({"messages": [*start, {"role": "user", "content": "?"}]}, None)
+        if key is not None:
+            counts[names.index(rendezvous_order(key, replicas)[0].name)] += 1
+    return counts
+
+
+# --- one pick -----------------------------------------------------------------------------
+
+
+@dataclass
+class PickRun:
+    pick: str
+    tally: loadgen.Tally = field(default_factory=loadgen.Tally)
+    window_s: float = 0.0
+    before: list[dict[str, float]] = field(default_factory=list)
+    after: list[dict[str, float]] = field(default_factory=list)
+    in_flight: list[list[float]] = field(default_factory=list)  # per sample, per replica
+    scores: list[list[float]] = field(default_factory=list)  # the gateway's engine load score
+    window_wall: tuple[float, float] = (math.nan, math.nan)  # time.time() at open and close
+    first_token_ms: dict[str, list[float]] = field(default_factory=dict)  # backend -> TTFTs
+    busy_pct: dict[str, float] = field(default_factory=dict)  # core -> % busy, whoever used it
+    load_average: tuple[float, float] = (math.nan, math.nan)
+
+    def read_access_log(self, path: Path) -> None:
+        """The gateway's own view, per backend: each counted request's time to first content
+        (its access log's `first_byte_ms`), for requests that ended in the counted window."""
+        opened, closed = self.window_wall
+        with contextlib.suppress(OSError), path.open("rb") as lines:
+            for line in lines:
+                if not line.startswith(b"{") or b'"first_byte_ms"' not in line:
+                    continue
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    doc = orjson.loads(line)
+                    if opened <= doc.get("ts", 0) <= closed and "backend" in doc:
+                        self.first_token_ms.setdefault(doc["backend"], []).append(
+                            float(doc["first_byte_ms"]))
+
+    def summary(self, offered: float, speeds: Sequence[float], load_bound: float
+                ) -> dict[str, Any]:
+        t = self.tally
+        ttft = [sorted(self.first_token_ms.get(replica_name(i), [])) for i in range(len(speeds))]
+        completed = [delta(a, b, "vllm:request_success_total")
+                     for a, b in zip(self.after, self.before, strict=True)]
+        hits = [delta(a, b, "vllm:prefix_cache_hits_total")
+                for a, b in zip(self.after, self.before, strict=True)]
+        queries = [delta(a, b, "vllm:prefix_cache_queries_total")
+                   for a, b in zip(self.after, self.before, strict=True)]
+        flight = [sum(s[i] for s in self.in_flight) / len(self.in_flight)
+                  if self.in_flight else math.nan for i in range(len(speeds))]
+        window = self.window_s or math.nan
+        return {
+            "offered_per_s": offered,
+            "requests": len(t.ttfts_s),
+            "errors": sum(t.errors.values()),
+            "error_kinds": dict(t.errors),
+            "completed_per_s": sum(completed) / window,
+            "ttft_p50_ms": loadgen.percentile(t.ttfts_s, 50) * 1000,
+            "ttft_p99_ms": loadgen.percentile(t.ttfts_s, 99) * 1000,
+            "latency_p50_ms": loadgen.percentile(t.latencies_s, 50) * 1000,
+            "latency_p99_ms": loadgen.percentile(t.latencies_s, 99) * 1000,
+            "prefix_cache_hit_rate": sum(hits) / sum(queries) if sum(queries) else math.nan,
+            "replicas": [{"speed": s, "completed": c, "in_flight_mean": f,
+                          "hit_rate": h / q if q else math.nan,
+                          "gateway_ttft_p50_ms": loadgen.percentile(g, 50),
+                          "gateway_ttft_p99_ms": loadgen.percentile(g, 99),
+                          "gateway_requests": len(g)}
+                         for s, c, f, h, q, g in zip(speeds, completed, flight, hits, queries,
+                                                     ttft, strict=True)],
+            "completed_max_over_mean": _max_over_mean(completed),
+            "in_flight_max_over_mean": _max_over_mean(flight),
+            # The bound as the gateway applies it: each instant's engine load scores.
+            "score_samples": len(self.scores),
+            "score_over_bound_share": (
+                sum(_max_over_mean(s) > 1 + load_bound for s in self.scores) / len(self.scores)
+                if self.scores else math.nan),
+            "lag_p99_ms": loadgen.percentile(t.lags_s, 99) * 1000,
+            "window_s": self.window_s,
+            "core_busy_pct": self.busy_pct,
+            "load_average_1m": {"before": self.load_average[0], "after": self.load_average[1]},
+        }
+
+
+def _max_over_mean(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values) if values else math.nan
+    return max(values) / mean if values and mean > 0 else math.nan
+
+
+def replica_name(index: int) -> str:
+    return f"sim-{index}"  # the backends' names: they decide the rendezvous order
+
+
+def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> PickRun:
+    """Fresh simulators and a gateway routing by `pick`; the schedule sent through it."""
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix=f"gateway-routing-{pick}-")))
+
+        def start(name: str, cmd: list[str]) -> Server:
+            server = Server(name, cmd, workdir / f"{name}.log", None)
+            stack.callback(server.stop)
+            return server
+
+        sims: list[tuple[Server, str]] = []
+        for i, speed in enumerate(args.engines.speeds):
+            port = free_port()
+            sims.append((start(replica_name(i), args.engines.args(port, speed)),
+                         f"http://127.0.0.1:{port}"))
+        for server, url in sims:
+            wait_ready(f"{url}/health", server=server)
+        port = free_port()
+        config = write_gateway_config(
+            workdir / "config", port=port,
+            backends=[Backend(replica_name(i), "vllm", url, MODEL, args.weights[i])
+                      for i, (_, url) in enumerate(sims)],
+            # Routing, not the ledger's fsync, is measured: keep the disk off the path.
+            ledger_fsync="everysec",
+            routing={"pick": pick, "load_bound": args.load_bound})
+        gateway = start("gateway", gateway_args(config, port, workers=WORKERS))
+        wait_ready(f"http://127.0.0.1:{port}/readyz", server=gateway)
+        gateway_worker_pids(gateway.pid, WORKERS)
+        keys = tuple(create_keys(config, args.keys, credits_each=CREDITS_PER_ACCOUNT))
+        target = loadgen.Target("gateway", f"http://127.0.0.1:{port}{CHAT_PATH}", keys)
+        run = PickRun(pick)
+        run_async(drive(run, target, [url for _, url in sims], schedule, args.warmup))
+        if gateway.popen.poll() is not None:
+            raise gateway.failed(f"exited during the run (code {gateway.popen.returncode})")
+        time.sleep(0.2)  # the access log is written in batches every 0.05 s
+        run.read_access_log(gateway.log_path)
+        return run
+
+
+async def drive(run: PickRun, target: loadgen.Target, sims: Sequence[str],
+                schedule: list[Planned], warmup_s: float) -> None:
+    """The open loop: requests due in the warm-up are sent but not counted; the engines'
+    counters are read as the counted window opens and as its schedule ends."""
+    warm = loadgen.Tally()
+    tasks: set[asyncio.Task[None]] = set()
+    end = schedule[-1].offset_s if schedule else warmup_s
+    async with loadgen.new_session(1024) as session, \
+            loadgen.new_session(8, aiohttp.ClientTimeout(total=5)) as probe:
+        start = time.perf_counter() + 0.05
+
+        async def watch() -> None:
+            await asyncio.sleep(max(0.0, start + warmup_s - time.perf_counter()))
+            cores = procs.core_times()
+            run.load_average = (os.getloadavg()[0], math.nan)
+            opened = time.perf_counter()
+            run.window_wall = (time.time(), math.nan)
+            run.before = await scrape(probe, sims)
+            while time.perf_counter() < start + end:
+                await asyncio.sleep(SAMPLE_S)
+                figures = await scrape(probe, sims)
+                run.in_flight.append([f.get("vllm:num_requests_running", 0.0)
+                                      + f.get("vllm:num_requests_waiting", 0.0)
+                                      for f in figures])
+                run.scores.append([engine_score(f) for f in figures])
+            run.after = await scrape(probe, sims)
+            run.window_s = time.perf_counter() - opened
+            run.window_wall = (run.window_wall[0], time.time())
+            now = procs.core_times()
+            run.busy_pct = {str(c): procs.busy_pct(cores, now, c) for c in sorted(now)}
+            run.load_average = (run.load_average[0], os.getloadavg()[0])
+
+        watcher = asyncio.create_task(watch())
+        for item in schedule:
+            due = start + item.offset_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tally = warm if item.offset_s < warmup_s else run.tally
+            task = asyncio.create_task(loadgen.stream_once(session, target, item.body, tally,
+                                                           due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await watcher
+        if tasks:
+            await asyncio.wait(tasks)
+    for reason, count in warm.errors.items():  # not timed, but a failure all the same
+        run.tally.errors[f"{reason} (warm-up)"] += count
+
+
+# --- verdicts and the table ---------------------------------------------------------------
+
+
+def judge(picks: dict[str, dict[str, Any]], load_bound: float, judged: bool
+          ) -> list[dict[str, Any]]:
+    """The issue's targets, on whichever picks ran; `judged` False: only errors count."""
+    checks: list[dict[str, Any]] = []
+
+    def add(name: str, value: float, target: str, met: bool | None) -> None:
+        checks.append({"name": name, "value": value, "target": target,
+                       "passed": met if judged else None})
+
+    if "engine" in picks and "p2c" in picks:
+        ratio = picks["engine"]["ttft_p99_ms"] / picks["p2c"]["ttft_p99_ms"]
+        add("engine p99 TTFT / p2c p99 TTFT", ratio, f"<= {TTFT_RATIO_MAX:g}",
+            ratio <= TTFT_RATIO_MAX)
+    if "prefix" in picks and "p2c" in picks:
+        p2c_rate = picks["p2c"]["prefix_cache_hit_rate"]
+        ratio = picks["prefix"]["prefix_cache_hit_rate"] / p2c_rate if p2c_rate else math.inf
+        add("prefix hit rate / p2c hit rate", ratio, f">= {HIT_RATIO_MIN:g}",
+            ratio >= HIT_RATIO_MIN)
+    if "prefix" in picks:
+        value = picks["prefix"]["completed_max_over_mean"]
+        add("prefix: busiest replica / mean (completed requests, whole run)", value,
+            f"<= {1 + load_bound:g}", value <= 1 + load_bound)
+    errors = sum(p["errors"] for p in picks.values())
+    checks.append({"name": "failed requests, all picks", "value": errors, "target": "0",
+                   "passed": errors == 0})
+    return checks
+
+
+def render(doc: dict[str, Any]) -> str:
+    meta, picks = doc["meta"], doc["picks"]
+    names = list(picks)
+    lines = ["Routing benchmark: p2c vs engine vs prefix on an uneven pool (issue 17)",
+             *(f"  {note}" for note in meta["notes"]), ""]
+
+    def per_replica(p: dict[str, Any], key: str, fmt: str) -> str:
+        return "/".join(format(r[key], fmt) for r in p["replicas"])
+
+    rows: list[tuple[str, ...]] = [
+        ("requests counted", *(str(picks[n]["requests"]) for n in names)),
+        ("errors", *(str(picks[n]["errors"]) for n in names)),
+        ("offered req/s", *(f"{picks[n]['offered_per_s']:.1f}" for n in names)),
+        ("completed req/s", *(f"{picks[n]['completed_per_s']:.1f}" for n in names)),
+        ("TTFT p50 ms", *(f"{picks[n]['ttft_p50_ms']:.0f}" for n in names)),
+        ("TTFT p99 ms", *(f"{picks[n]['ttft_p99_ms']:.0f}" for n in names)),
+        ("whole stream p99 ms", *(f"{picks[n]['latency_p99_ms']:.0f}" for n in names)),
+        ("prefix-cache hit rate", *(f"{100 * picks[n]['prefix_cache_hit_rate']:.1f} %"
+                                    for n in names)),
+        ("completed per replica", *(per_replica(picks[n], "completed", ".0f") for n in names)),
+        ("  max / mean", *(f"{picks[n]['completed_max_over_mean']:.2f}" for n in names)),
+        ("in flight per replica, mean", *(per_replica(picks[n], "in_flight_mean", ".1f")
+                                          for n in names)),
+        ("  max / mean", *(f"{picks[n]['in_flight_max_over_mean']:.2f}" for n in names)),
+        ("instants a score > bound", *(f"{100 * picks[n]['score_over_bound_share']:.0f} %"
+                                       for n in names)),
+        ("TTFT p99 per replica ms *", *(per_replica(picks[n], "gateway_ttft_p99_ms", ".0f")
+                                        for n in names)),
+        ("hit rate per replica %", *("/".join(f"{100 * r['hit_rate']:.0f}"
+                                             for r in picks[n]["replicas"]) for n in names)),
+        ("client lag p99 ms", *(f"{picks[n]['lag_p99_ms']:.1f}" for n in names)),
+        ("cores busy %", *("/".join(f"{v:.0f}" for v in picks[n]["core_busy_pct"].values())
+                           for n in names)),
+    ]
+    header = ("figure", *names)
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for row in (header, tuple("-" * w for w in widths), *rows):
+        lines.append("  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+                               for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    lines.append("  * as the gateway's access log has it (time to first content, per backend; "
+                 "from the gateway's receipt, not the client's schedule)")
+    lines.append("")
+    for check in doc["checks"]:
+        verdict = ("-" if check["passed"] is None else "PASS" if check["passed"] else "FAIL")
+        value = check["value"]
+        shown = str(value) if isinstance(value, int) else f"{value:.2f}"
+        lines.append(f"  {verdict:<4}  {check['name']}: {shown} (target {check['target']})")
+    for name in names:
+        if picks[name]["errors"]:
+            kinds = "; ".join(f"{k} x{v}" for k, v in picks[name]["error_kinds"].items())
+            lines.append(f"  {name} errors: {kinds}")
+    lines.append(f"verdict: {'PASS' if doc['passed'] else 'FAIL'}"
+                 + ("" if meta["judged"] else " (quick smoke run: only errors are judged)")
+                 + " (exit status is non-zero on FAIL only with --strict)")
+    return "\n".join(lines)
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtests.routing",
+        description="p2c vs engine vs prefix routing on an uneven pool of three simulators.")
+    p.add_argument("--duration", type=float, help="seconds counted per pick (default 45, or 3 "
+                   "with --quick), after --warmup")
+    p.add_argument("--warmup", type=float, help="seconds of load sent first and not counted "
+                   "(default 8, or 0.5 with --quick)")
+    p.add_argument("--load", type=float, default=0.8,
+                   help="offered load as a share of the pool's capacity (default 0.8)")
+    p.add_argument("--rate", type=float, help="requests/s, instead of --load x capacity")
+    p.add_argument("--picks", default=",".join(PICKS), metavar="LIST",
+                   help=f"comma-separated picks to run (default {','.join(PICKS)})")
+    p.add_argument("--load-bound", type=float, default=DEFAULT_LOAD_BOUND,
+                   help="[routing] load_bound given to the gateway (default 0.25, as shipped)")
+    p.add_argument("--kv-cache-blocks", type=int, help="each simulator's KV cache, in blocks "
+                   "of 16 tokens (default 512: about five system prompts and a batch)")
+    p.add_argument("--single-turn", action="store_true",
+                   help="the varied question is the first user turn (no shared task turn): "
+                   "shows what `prefix` does when every request has its own key")
+    p.add_argument("--weights", default="1,1,1", metavar="W,W,W",
+                   help="the backends' `weight` in the gateway's config (default 1,1,1: the "
+                   "gateway is not told which replica is slow; 3,3,1 tells it)")
+    p.add_argument("--seed", type=int, default=17, help="arrivals and questions (default 17)")
+    p.add_argument("--keys", type=int, default=KEYS, help=f"API keys (default {KEYS})")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON")
+    p.add_argument("--quick", action="store_true", help="a smoke test: a few seconds per pick, "
+                   "small prompts, fast engines; only errors are judged")
+    p.add_argument("--strict", action="store_true", help="exit 1 when any check fails")
+    args = p.parse_args(argv)
+    args.picks = [k.strip() for k in args.picks.split(",") if k.strip()]
+    try:
+        args.weights = [int(w) for w in args.weights.split(",")]
+    except ValueError:
+        p.error("--weights: three whole numbers, e.g. 3,3,1")
+    if len(args.weights) != 3 or min(args.weights) < 1:
+        p.error("--weights: three whole numbers >= 1, e.g. 3,3,1")
+    if not args.picks or set(args.picks) - set(PICKS):
+        p.error(f"--picks: choose from {', '.join(PICKS)}")
+    args.duration = args.duration or (3.0 if args.quick else 45.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 8.0)
+    if args.quick:
+        args.engines = Engines(prefill_ms_per_1k_tokens=20, tokens_per_s=400, ttft_ms=5,
+                               completion_tokens=8, kv_cache_blocks=args.kv_cache_blocks or 512)
+        args.workload = Workload(system_tokens=120, context_tokens=20, question_tokens=(5, 20),
+                                 single_turn=args.single_turn, seed=args.seed)
+    else:
+        args.engines = Engines(kv_cache_blocks=args.kv_cache_blocks or Engines.kv_cache_blocks)
+        args.workload = Workload(single_turn=args.single_turn, seed=args.seed)
+    if args.duration <= 0 or args.warmup < 0 or not 0 < args.load <= 2 or args.keys < 1:
+        p.error("--duration, --load (0-2] and --keys must be positive, --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwinds, stopping the servers
+    engines, workload = args.engines, args.workload
+    sample = plan(workload, 50.0, 20.0, args.seed)
+    prompt = sum(s.prompt_tokens for s in sample) / len(sample)
+    shared = workload.shared_tokens()
+    cached = (shared // engines.block_size) * engines.block_size  # whole blocks only
+    cold = sum(engines.capacity(s, prompt) for s in engines.speeds)
+    warm = sum(engines.capacity(s, prompt - cached) for s in engines.speeds)
+    # --quick stays light: its engines are fast, and 80 % of them would be CPU-bound here.
+    rate = args.rate or (40.0 if args.quick else args.load * cold)
+    schedule = plan(workload, rate, args.warmup + args.duration, args.seed)
+    split = first_choices(workload, [replica_name(i) for i in range(len(engines.speeds))],
+                          args.weights)
+    notes = [
+        f"engines: 3 vLLM simulators, speeds {'/'.join(f'{s:g}' for s in engines.speeds)}; "
+        f"--max-num-seqs {engines.max_num_seqs}, --prefill-ms-per-1k-tokens "
+        f"{engines.prefill_ms_per_1k_tokens:g}, --ttft-ms {engines.ttft_ms:g}, --tokens-per-s "
+        f"{engines.tokens_per_s:g}, --completion-tokens {engines.completion_tokens}, "
+        f"--kv-cache-blocks {engines.kv_cache_blocks} (x{engines.block_size} tokens: "
+        f"{engines.kv_cache_blocks * engines.block_size // max(1, shared):.0f} shared prefixes' "
+        "worth); fresh ones for each pick (cold caches)",
+        f"workload: {workload.prompts} shared conversation starts of {shared} prompt tokens "
+        + ("(a system prompt only: the varied question is the first user turn) "
+           if workload.single_turn else
+           "(system prompt + a task as first user turn + the assistant's reply) ")
+        + f"+ a varied user turn of {workload.question_tokens[0]}-{workload.question_tokens[1]}"
+        f" tokens; {prompt:.0f} prompt tokens on average; uniform draw; seed {args.seed}",
+        f"capacity from those settings: {cold:.1f} req/s with every prompt a cache miss (per "
+        "replica: " + "/".join(f"{engines.capacity(s, prompt):.1f}" for s in engines.speeds)
+        + f"), {warm:.1f} with every shared part cached; offered: "
+        + (f"{rate:.1f} req/s (--rate)" if args.rate else
+           f"{rate:.1f} req/s (--quick)" if args.quick else
+           f"{rate:.1f} req/s = {args.load:g} x the all-miss capacity")
+        + ", open loop, Poisson arrivals, the same schedule and bodies for every pick",
+        f"gateway: `serve --workers {WORKERS}`, [routing] pick per column, load_bound "
+        f"{args.load_bound:g}, backend weights {'/'.join(map(str, args.weights))}; "
+        f"{args.keys} API keys of one tier whose limit never binds, no queue_budget; nothing "
+        "pinned (the load is light: see cores busy)",
+        f"counted: {args.duration:g} s per pick after a {args.warmup:g} s warm-up; TTFT = first "
+        "content event, from the scheduled start; engine counters (hits, queries, completed) "
+        "are deltas over the counted window; in flight = running + waiting, sampled every "
+        f"{SAMPLE_S:g} s",
+        "the gateway bounds `prefix` by each instant's engine load score (waiting + 0.5 x "
+        "running + 4 x KV use + requests sent since its last read); judged here: completed "
+        "requests over the whole run (max/mean); shown beside it: the share of 0.25 s samples "
+        f"where some replica's score (from its /metrics) was above {1 + args.load_bound:g} x "
+        "the mean",
+        "prefix keys: " + (
+            "every request its own (the varied question is the first user turn)"
+            if workload.single_turn else
+            f"the {workload.prompts} starts' first choices by the gateway's rendezvous order: "
+            + "/".join(str(n) for n in split) + " (replicas in speed order above)"),
+    ]
+    print(notes[2], file=sys.stderr, flush=True)
+    started = time.time()
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        for pick in args.picks:
+            print(f"measuring pick = {pick} ({len(schedule)} requests at {rate:.1f}/s) ...",
+                  file=sys.stderr, flush=True)
+            runs[pick] = run_pick(pick, args, schedule).summary(rate, engines.speeds,
+                                                                args.load_bound)
+    except KeyboardInterrupt:
+        print("routing: interrupted; the servers it started are stopped", file=sys.stderr)
+        return 130
+    except ServerFailed as exc:
+        print(f"routing: {exc}", file=sys.stderr)
+        return 2
+    checks = judge(runs, args.load_bound, judged=not args.quick)
+    doc = {
+        "meta": {
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "took_s": round(time.time() - started, 1),
+            "host": platform.node(), "usable_cores": len(os.sched_getaffinity(0)),
+            "command": "python -m loadtests.routing " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+            "judged": not args.quick, "notes": notes, "engines": asdict(engines),
+            "workload": asdict(workload), "prompt_tokens_mean": prompt,
+            "shared_prompt_tokens": shared, "capacity_all_miss_per_s": cold,
+            "capacity_all_hit_per_s": warm, "rate_per_s": rate, "load": args.load,
+            "prefix_first_choices": None if workload.single_turn else split,
+            "load_bound": args.load_bound, "weights": args.weights,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup, "workers": WORKERS, "keys": args.keys,
+        },
+        "picks": runs,
+        "checks": checks,
+        "passed": all(c["passed"] is not False for c in checks),
+    }
+    print(render(doc))
+    if args.json:
+        args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    return 1 if args.strict and not doc["passed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,8 @@ import math
 import os
 import random
 import time
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +43,7 @@ from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
 
 RETRY_AFTER_S = "1"
+_SENT_KEPT = 1024  # send times kept per backend: more than can be open between two reads
 SATURATED_RETRY_S = 5  # Retry-After of a saturated pool whose completion rate is not known
 _RNG = random.Random()
 MODES: tuple[Mode, ...] = ("direct", "network")
@@ -67,7 +70,7 @@ class Backend:
 
     __slots__ = ("_urls", "auth", "base_url", "completion_rate", "forward", "health",
                  "max_ejected_ratio", "max_model_len", "name", "outstanding", "peers", "probed",
-                 "record", "sent_since", "signals", "spec", "supervised", "wake")
+                 "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -90,10 +93,13 @@ class Backend:
         self.max_ejected_ratio = settings.max_ejected_ratio
         self.record: FleetRecord | None = None  # the supervisor's last word (supervised only)
         # The engine's own load as the master last read it (vLLM and TGI; see `load`), and
-        # the requests this worker sent it since (the figures cannot show them yet).
+        # when this worker sent its latest requests (a read taken before them cannot show them).
         self.signals: EngineSignals | None = None
-        self.sent_since = 0
+        self.sent: deque[float] = deque(maxlen=_SENT_KEPT)
         self.completion_rate = 0.0  # requests/s the engine completes (smoothed, from its figures)
+        # Seconds a request spends in it (Little's law: running / completion rate, smoothed):
+        # what tells a slow replica from a fast one with the same queue.
+        self.service_s: float | None = None
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
@@ -152,15 +158,22 @@ class Backend:
         return signals if signals is not None and signals.fresh(now) else None
 
     def take_signals(self, signals: EngineSignals | None) -> None:
-        """The master's latest read; a new one already counts what this worker sent."""
+        """The master's latest read; two in a row give the engine's completion rate."""
         old = self.signals
-        if signals is not None and (old is None or signals.at != old.at):
-            self.sent_since = 0
-            if (old is not None and old.done is not None and signals.done is not None
-                    and signals.at > old.at):
-                rate = max(0.0, signals.done - old.done) / (signals.at - old.at)
-                self.completion_rate = 0.7 * self.completion_rate + 0.3 * rate
+        if (signals is not None and old is not None and signals.at > old.at
+                and old.done is not None and signals.done is not None):
+            rate = max(0.0, signals.done - old.done) / (signals.at - old.at)
+            self.completion_rate = 0.7 * self.completion_rate + 0.3 * rate
+            if signals.running >= 1 and self.completion_rate > 0:
+                service = signals.running / self.completion_rate
+                self.service_s = service if self.service_s is None else (
+                    0.7 * self.service_s + 0.3 * service)
         self.signals = signals
+
+    def sent_after(self, at: float) -> int:
+        """This worker's requests to it sent after wall-clock time `at` (of the last
+        `_SENT_KEPT`)."""
+        return len(self.sent) - bisect_right(self.sent, at)
 
     @property
     def weight(self) -> int:
@@ -171,9 +184,9 @@ class Backend:
         load = self.load(now)
         if load is None:
             return None
-        # Sent since the read and still open: load the figures cannot show yet (a request
-        # already answered is no load at all).
-        unseen = min(self.sent_since, self.outstanding)
+        # Sent after the engine was read and still open: load its figures cannot show yet (a
+        # request already answered is no load at all).
+        unseen = min(self.sent_after(load.at), self.outstanding)
         return (weights.waiting * load.waiting + weights.running * load.running
                 + weights.kv_cache * (load.kv or 0.0) + weights.sent * unseen)
 
@@ -221,7 +234,7 @@ class Pool:
         chosen = choose(self.pick_kind, candidates, key=key, weights=self.weights,
                               load_bound=self.load_bound, now=time.time(), rng=rng or _RNG)
         assert isinstance(chosen, Backend)
-        chosen.sent_since += 1
+        chosen.sent.append(time.time())
         return chosen
 
     def saturation(self, now: float) -> Saturation | None:

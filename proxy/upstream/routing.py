@@ -46,6 +46,8 @@ class Replica(Protocol):
     def weight(self) -> int: ...
     @property
     def outstanding(self) -> int: ...  # this worker's requests in flight on it
+    @property
+    def service_s(self) -> float | None: ...  # seconds a request spends in it, measured
     def local_score(self) -> float: ...
     def engine_load(self, weights: Weights, now: float) -> float | None: ...
 
@@ -102,17 +104,36 @@ def pick(kind: PickKind, replicas: Sequence[Replica], *, key: bytes | None, weig
 
 
 def _p2c(replicas: Sequence[Replica], rng: random.Random) -> Replica:
-    first, second = rng.choices(replicas, weights=[r.weight for r in replicas], k=2)
+    """Two different candidates drawn by weight; the one with fewer requests in flight."""
+    [first] = rng.choices(replicas, weights=[r.weight for r in replicas])
+    others = [r for r in replicas if r is not first]
+    [second] = rng.choices(others, weights=[r.weight for r in others])
     return first if first.local_score() <= second.local_score() else second
+
+
+def _work_ahead(replicas: Sequence[Replica], weights: Weights, now: float,
+                scaled: bool = True) -> list[float] | None:
+    """Each replica's engine load with this request on it; `scaled`: times how slow it is
+    against the others (its measured time per request over their mean) when all are measured,
+    since a slow replica with a short queue can be worse than a fast one with a longer queue.
+    None when some replica has no fresh figures."""
+    loads = [r.engine_load(weights, now) for r in replicas]
+    if any(load is None for load in loads):
+        return None
+    ahead = [(load or 0.0) + 1.0 for load in loads]
+    services = [r.service_s for r in replicas]
+    if scaled and all(s is not None and s > 0 for s in services):
+        mean = sum(s or 0.0 for s in services) / len(services)
+        ahead = [a * (s or 0.0) / mean for a, s in zip(ahead, services, strict=True)]
+    return ahead
 
 
 def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: float,
                         rng: random.Random) -> Replica:
-    loads = [r.engine_load(weights, now) for r in replicas]
-    if any(load is None for load in loads):
+    ahead = _work_ahead(replicas, weights, now)
+    if ahead is None:
         return _p2c(replicas, rng)  # no fresh figures for some: this worker's counts for all
-    scored = [(load / r.weight, r) for load, r in zip(loads, replicas, strict=True)
-              if load is not None]
+    scored = [(work / r.weight, r) for work, r in zip(ahead, replicas, strict=True)]
     best = min(score for score, _ in scored)
     tied = [r for score, r in scored if score <= best + 1e-9]
     return tied[0] if len(tied) == 1 else _p2c(tied, rng)
@@ -120,16 +141,16 @@ def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: floa
 
 def _bounded_rendezvous(replicas: Sequence[Replica], key: bytes, weights: Weights,
                         load_bound: float, now: float, rng: random.Random) -> Replica:
-    loads = {r.name: _load(r, weights, now) for r in replicas}
-    # The bound per unit of weight, this request included; the least loaded replica is always
-    # under it, so the walk below always ends.
-    bound = (1 + load_bound) * (sum(loads.values()) + 1) / sum(r.weight for r in replicas)
+    # Unscaled: the bound keeps a replica's prefixes on it while its queue is no longer than
+    # the others' (scaled by speed, a slow replica's keys spilled most of the time and thrashed
+    # the fast replicas' caches: loadtests.routing, 2026-11-25).
+    ahead = (_work_ahead(replicas, weights, now, scaled=False)
+             or [r.outstanding + 1.0 for r in replicas])
+    work = {r.name: a for r, a in zip(replicas, ahead, strict=True)}
+    # The bound per unit of weight, over every replica's work with this request on it; the
+    # least loaded replica is always within it, so the walk below always ends.
+    bound = (1 + load_bound) * sum(ahead) / sum(r.weight for r in replicas)
     for replica in rendezvous_order(key, replicas):
-        if loads[replica.name] / replica.weight < bound:
+        if work[replica.name] / replica.weight <= bound:
             return replica
     return _lowest_engine_load(replicas, weights, now, rng)  # not reached (see above)
-
-
-def _load(replica: Replica, weights: Weights, now: float) -> float:
-    load = replica.engine_load(weights, now)
-    return load if load is not None else float(replica.outstanding)

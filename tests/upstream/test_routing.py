@@ -107,10 +107,15 @@ def test_engine_pick_avoids_a_full_queue_and_counts_what_it_sent() -> None:
         chosen.outstanding += 1
         picks.append(chosen.name)
     assert "a" not in picks
-    # What this worker sent since the read and still has open counts: b does not take all six.
+    # What this worker sent after the read and still has open counts: b does not take all six.
     assert Counter(picks)["b"] < 6 and "c" in picks
-    load(b, waiting=0, running=2, kv=0.2)  # a new read resets the count it already shows
-    assert b.sent_since == 0
+    # A read taken after those sends already shows them: they no longer count on top.
+    sent = b.sent_after(time.time() - 60)
+    assert sent >= 1 and b.sent_after(time.time() + 1) == 0
+    weights = pool.weights
+    before = b.engine_load(weights, time.time())
+    load(b, waiting=0, running=2, kv=0.2)  # a fresh read, after the sends
+    assert b.engine_load(weights, time.time()) == pytest.approx(before - weights.sent * sent)
 
 
 def test_stale_or_missing_figures_fall_back_to_this_workers_counts() -> None:
@@ -161,3 +166,23 @@ def test_saturation_and_the_tier_queue_budget() -> None:
     a.take_signals(None)
     b.take_signals(EngineSignals(waiting=2, running=8, kv=0.5, at=now - 10))  # stale
     assert pool.saturation(now) is None
+
+
+def test_a_slow_replica_counts_its_queue_at_its_speed() -> None:
+    pool = chat_pool("fast", "slow", pick="engine")
+    fast, slow = pool.backends
+    now = time.time()
+    # Two reads a second apart: fast completes 8/s with 4 running (0.5 s each), slow 2/s with
+    # 4 running (2 s each), as Little's law has it.
+    for backend, done in ((fast, 8.0), (slow, 2.0)):
+        for i in range(12):  # the smoothing settles
+            backend.take_signals(EngineSignals(waiting=0, running=4, kv=0.1, at=now - 12 + i,
+                                               done=done * i))
+    assert fast.service_s is not None and slow.service_s is not None
+    assert slow.service_s / fast.service_s == pytest.approx(4, rel=0.05)
+    load(fast, waiting=3, running=4, kv=0.1)  # a longer queue, but four times faster
+    load(slow, waiting=0, running=4, kv=0.1)
+    assert {pool.pick().name for _ in range(5)} == {"fast"}
+    # Without a measured speed for both, queues alone decide.
+    slow.service_s = None
+    assert {pool.pick().name for _ in range(5)} == {"slow"}

@@ -4,6 +4,7 @@ a network: files are parsed, and the live check runs a gateway on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shlex
@@ -20,10 +21,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
+from proxy.appkeys import CONFIG
 from proxy.credits.ledger import Ledger
 from proxy.observe.metrics import Labels, Metrics
 from proxy.observe.scrape import SCRAPE_TIME_METRICS
+from proxy.runtime.fleet_state import signals_key
 from proxy.runtime.redis_process import RedisProcess
+from proxy.runtime.signal_scraper import SignalScraper
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -350,6 +354,12 @@ async def test_dashboard_metrics_appear_in_a_live_scrape(
         await Ledger(redis).credit("acct-test", 10**9, {"reason": "test"})
     finally:
         await redis.aclose()
+    # The engines' figures come from the master's scraper: run it here, as `serve` would.
+    config = gw.app[CONFIG]
+    scraper_redis = Redis.from_url(clean_redis.url)
+    scraper = asyncio.create_task(SignalScraper(
+        config.backends, scraper_redis, signals_key(config.root),
+        config.health.engine_signals_s).run())
     key = {"X-API-Key": gw.api_key}  # type: ignore[attr-defined]
     hello = [{"role": "user", "content": "Hello!"}]
     calls: list[tuple[dict[str, str], dict[str, Any], int]] = [
@@ -368,7 +378,14 @@ async def test_dashboard_metrics_appear_in_a_live_scrape(
                 await response.read()
                 assert response.status == expected, (body, await response.text())
         await settled(gw)
-        text = await scrape(session, gw)
+        for _ in range(50):  # a read by the scraper, then the worker's poll of it
+            text = await scrape(session, gw)
+            if "igw_engine_waiting{" in text:
+                break
+            await asyncio.sleep(0.1)
+    scraper.cancel()
+    await asyncio.gather(scraper, return_exceptions=True)
+    await scraper_redis.aclose()
     families = list(text_string_to_metric_families(text))
     exposed = exposed_names(families)
     missing = dashboard_metrics() - exposed

@@ -9,9 +9,8 @@ Under `serve` the workers are separate processes: prometheus-client's multiproce
 in files, and whichever worker answers `/metrics` adds them all up (proxy.observe.scrape). A
 request's counts are tallied in plain dicts and written to the metric values once a second
 (`flush`): per request that is a few dict updates instead of a dozen locked writes to a mapped
-file. What
-only makes sense at scrape time (backend health, supervised restarts, the task queue) is read
-then, not counted here.
+file. What only makes sense at scrape time (backend health, supervised restarts, the task queue,
+the engines' own load) is read then, not counted here.
 """
 
 from __future__ import annotations

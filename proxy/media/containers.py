@@ -81,7 +81,7 @@ def _mp4_child(data: bytes, start: int, end: int, kind: bytes) -> tuple[int, int
     return None
 
 
-def _mp4_path(data: bytes, start: int, end: int, *path: bytes) -> tuple[int, int] | None:
+def mp4_path(data: bytes, start: int, end: int, *path: bytes) -> tuple[int, int] | None:
     span: tuple[int, int] | None = (start, end)
     for kind in path:
         if span is None:
@@ -104,7 +104,7 @@ def _mp4_duration(data: bytes, moov: tuple[int, int]) -> float | None:
         return None  # all ones: unknown
     if duration == 0:
         # Fragmented files may carry the total in moov/mvex/mehd; otherwise it is unknown.
-        mehd = _mp4_path(data, *moov, b"mvex", b"mehd")
+        mehd = mp4_path(data, *moov, b"mvex", b"mehd")
         if mehd is None:
             return None if _mp4_child(data, *moov, b"mvex") else 0.0
         wide = uint(data, mehd[0], 1) == 1
@@ -117,10 +117,10 @@ def _mp4_audio(data: bytes, moov: tuple[int, int]) -> tuple[int | None, int | No
     for kind, body, end in mp4_boxes(data, *moov):
         if kind != b"trak":
             continue
-        hdlr = _mp4_path(data, body, end, b"mdia", b"hdlr")
+        hdlr = mp4_path(data, body, end, b"mdia", b"hdlr")
         if hdlr is None or data[hdlr[0] + 8 : hdlr[0] + 12] != b"soun":
             continue
-        stsd = _mp4_path(data, body, end, b"mdia", b"minf", b"stbl", b"stsd")
+        stsd = mp4_path(data, body, end, b"mdia", b"minf", b"stbl", b"stsd")
         if stsd is None:
             continue
         for _, entry, _ in mp4_boxes(data, stsd[0] + 8, stsd[1]):

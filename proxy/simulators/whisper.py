@@ -58,6 +58,7 @@ from proxy.media.containers import (
     Malformed,
     ebml_elements,
     mp4_boxes,
+    mp4_path,
     uint,
 )
 from proxy.simulators import vllm
@@ -327,17 +328,6 @@ def _resampled(seconds: float, rate: int) -> float:
     return max(0, math.floor(seconds * WHISPER_RATE + 1e-9) - lost) / WHISPER_RATE
 
 
-def _mp4_box(data: bytes, start: int, end: int, *path: bytes) -> tuple[int, int] | None:
-    span: tuple[int, int] | None = (start, end)
-    for kind in path:
-        assert span is not None
-        span = next(((body, stop) for found, body, stop in mp4_boxes(data, *span)
-                     if found == kind), None)
-        if span is None:
-            return None
-    return span
-
-
 def _mp4_aac_seconds(data: bytes) -> float | None:
     """What vLLM keeps of AAC in MP4 (PyAV decodes it): every frame whole, 1024 samples each
     (the last frame's padding is kept, whatever its stts delta says), less the samples the edit list
@@ -345,20 +335,20 @@ def _mp4_aac_seconds(data: bytes) -> float | None:
     FFmpeg writes 0 unless the frames carry timestamps). mvhd states the edited length, so it
     is shorter by the padding. None when there is no AAC sound track with a sample table
     (fragmented files)."""
-    moov = _mp4_box(data, 0, len(data), b"moov")
+    moov = mp4_path(data, 0, len(data), b"moov")
     if moov is None:
         return None
     for kind, body, end in mp4_boxes(data, *moov):
         if kind != b"trak":
             continue
-        hdlr = _mp4_box(data, body, end, b"mdia", b"hdlr")
+        hdlr = mp4_path(data, body, end, b"mdia", b"hdlr")
         if hdlr is None or data[hdlr[0] + 8 : hdlr[0] + 12] != b"soun":
             continue
-        mdhd = _mp4_box(data, body, end, b"mdia", b"mdhd")
-        stbl = _mp4_box(data, body, end, b"mdia", b"minf", b"stbl")
+        mdhd = mp4_path(data, body, end, b"mdia", b"mdhd")
+        stbl = mp4_path(data, body, end, b"mdia", b"minf", b"stbl")
         stsd = stsz = None
         if stbl is not None:
-            stsd, stsz = _mp4_box(data, *stbl, b"stsd"), _mp4_box(data, *stbl, b"stsz")
+            stsd, stsz = mp4_path(data, *stbl, b"stsd"), mp4_path(data, *stbl, b"stsz")
         if mdhd is None or stsd is None or stsz is None:
             return None
         entry = stsd[0] + 8  # the first sample entry's box: size, type, then its body
@@ -377,7 +367,7 @@ def _mp4_aac_seconds(data: bytes) -> float | None:
 
 def _edit_skip(data: bytes, trak: int, end: int) -> int:
     """The first edit's media time (mdhd ticks) in the track's edit list; 0 when none."""
-    elst = _mp4_box(data, trak, end, b"edts", b"elst")
+    elst = mp4_path(data, trak, end, b"edts", b"elst")
     if elst is None:
         return 0
     width = 8 if uint(data, elst[0], 1) == 1 else 4  # version 1: 64-bit times

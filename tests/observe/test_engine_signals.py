@@ -4,9 +4,6 @@ the master once per host and shown by every worker in /metrics and /admin/backen
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +15,8 @@ from aiohttp.test_utils import TestServer
 
 from proxy.runtime.redis_process import RedisProcess
 from proxy.upstream.signals import EngineSignals, parse_signals
-from tests.conftest import MODEL, free_port, write_config
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.conftest import MODEL
+from tests.runtime.test_fleet import ADMIN, Stack
 
 # As vLLM 0.32 writes them (shared/real-engines/vllm-metrics.txt), two models on one server.
 VLLM_TEXT = """\
@@ -111,9 +108,6 @@ async def fake_engine() -> AsyncIterator[tuple[FakeEngine, TestServer]]:
     await server.close()
 
 
-ADMIN_TOKEN = "test-admin-token-for-signals"
-
-
 async def scrape(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(f"{url}/metrics", headers={"Connection": "close"}) as r:
         return await r.text()
@@ -123,59 +117,49 @@ async def test_the_master_scrapes_once_per_host_and_every_worker_shows_it(
         tmp_path: Path, clean_redis: RedisProcess,
         fake_engine: tuple[FakeEngine, TestServer]) -> None:
     engine, server = fake_engine
-    port = free_port()
-    folder = write_config(tmp_path / "config", [{
-        "name": "e0", "kind": "vllm", "url": str(server.make_url("/")).rstrip("/"),
-        "models": [MODEL]}], gateway={"access_log": "off"})
-    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1",
-           "GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    with (tmp_path / "gateway.log").open("wb") as log:
-        gateway = subprocess.Popen(  # noqa: ASYNC220 (returns at once; waited on in a thread)
-            [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port", str(port),
-             "--workers", "2"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            await asyncio.to_thread(wait_until_ready, f"{url}/readyz", gateway)
-            wanted = 'igw_engine_waiting{backend="e0"} 3.0'
-            async with aiohttp.ClientSession() as session:
-                for _ in range(100):  # the master's first scrape, then each worker's poll
-                    texts = [await scrape(session, url) for _ in range(4)]  # any worker
-                    if all(wanted in text for text in texts):
-                        break
-                    await asyncio.sleep(0.1)
+    stack = Stack(tmp_path, [{"name": "e0", "kind": "vllm",
+                              "url": str(server.make_url("/")).rstrip("/"), "models": [MODEL]}],
+                  workers=2, redis_url=clean_redis.url, gateway_extra={"access_log": "off"})
+    url = stack.url
+    try:
+        await asyncio.to_thread(stack.ready)  # the fake engine answers probes meanwhile
+        wanted = 'igw_engine_waiting{backend="e0"} 3.0'
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):  # the master's first scrape, then each worker's poll
+                texts = [await scrape(session, url) for _ in range(4)]  # any worker
+                if all(wanted in text for text in texts):
+                    break
+                await asyncio.sleep(0.1)
+            text = await scrape(session, url)
+            assert wanted in text and 'igw_engine_running{backend="e0"} 2.0' in text
+            assert 'igw_engine_kv_cache_usage{backend="e0"} 0.5' in text
+            async with session.get(f"{url}/admin/backends", headers=ADMIN) as r:
+                [view] = (await r.json())["data"]
+            assert view["engine"]["waiting"] == 3 and view["engine"]["running"] == 2
+            assert 0 <= view["engine"]["age_s"] < 2
+            # One scraper for the host, every 0.25 s: about 8 reads in 2 s (a scraper per
+            # worker would make about 16).
+            before = engine.scrapes
+            await asyncio.sleep(2.0)
+            assert 4 <= engine.scrapes - before <= 11, engine.scrapes - before
+            # New figures reach the workers within a poll or two.
+            engine.waiting = 7
+            for _ in range(50):
+                if 'igw_engine_waiting{backend="e0"} 7.0' in await scrape(session, url):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("new figures never showed")
+            # A failing scrape: the figures go (never a stale one), the gateway goes on.
+            engine.failing = True
+            for _ in range(60):
                 text = await scrape(session, url)
-                assert wanted in text and 'igw_engine_running{backend="e0"} 2.0' in text
-                assert 'igw_engine_kv_cache_usage{backend="e0"} 0.5' in text
-                async with session.get(f"{url}/admin/backends", headers={
-                        "Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
-                    [view] = (await r.json())["data"]
-                assert view["engine"]["waiting"] == 3 and view["engine"]["running"] == 2
-                assert 0 <= view["engine"]["age_s"] < 2
-                # One scraper for the host, every 0.25 s: about 8 reads in 2 s (a scraper per
-                # worker would make about 16).
-                before = engine.scrapes
-                await asyncio.sleep(2.0)
-                assert 4 <= engine.scrapes - before <= 11, engine.scrapes - before
-                # New figures reach the workers within a poll or two.
-                engine.waiting = 7
-                for _ in range(50):
-                    if 'igw_engine_waiting{backend="e0"} 7.0' in await scrape(session, url):
-                        break
-                    await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError("new figures never showed")
-                # A failing scrape: the figures go (never a stale one), the gateway goes on.
-                engine.failing = True
-                for _ in range(60):
-                    text = await scrape(session, url)
-                    if "igw_engine_waiting{" not in text:
-                        break
-                    await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError("stale engine figures were still shown")
-                async with session.get(f"{url}/readyz") as r:
-                    assert r.status == 200
-        finally:
-            gateway.terminate()
-            await asyncio.to_thread(gateway.wait, 15)
+                if "igw_engine_waiting{" not in text:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("stale engine figures were still shown")
+            async with session.get(f"{url}/readyz") as r:
+                assert r.status == 200
+    finally:
+        await asyncio.to_thread(stack.close)

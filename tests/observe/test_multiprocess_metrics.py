@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observe.metrics import FLUSH_S
 from proxy.runtime.redis_process import RedisProcess
-from tests.conftest import GENEROUS_TIERS, MODEL, free_port, write_config
+from tests.conftest import MODEL, free_port
+from tests.runtime.test_fleet import Stack
 from tests.runtime.test_serve_cli import wait_until_ready
 
 CHAT = "/v2/compat/v1/chat/completions"
@@ -26,27 +26,20 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
-def served(tmp_path: Path, clean_redis: RedisProcess) -> Iterator[tuple[str, Path]]:
-    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    sim_port, port = free_port(), free_port()
+def served(tmp_path: Path, clean_redis: RedisProcess) -> Iterator[Stack]:
+    sim_port = free_port()
     sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "vllm", "--port",
-                            str(sim_port), "--model", MODEL], env=env)
-    folder = write_config(tmp_path / "config", [{
-        "name": "b0", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}", "models": [MODEL]}],
-        gateway={"access_log": "off"}, policies={"tiers.toml": GENEROUS_TIERS})
-    with (tmp_path / "gateway.log").open("wb") as log:
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port",
-             str(port), "--workers", "2"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
-            wait_until_ready(f"http://127.0.0.1:{port}/readyz", gateway)
-            yield f"http://127.0.0.1:{port}", folder
-        finally:
-            for proc in (gateway, sim):
-                proc.terminate()
-                proc.wait(15)
+                            str(sim_port), "--model", MODEL])
+    stack = Stack(tmp_path, [{"name": "b0", "kind": "vllm", "url": f"http://127.0.0.1:{sim_port}",
+                              "models": [MODEL]}], workers=2, redis_url=clean_redis.url,
+                  gateway_extra={"access_log": "off"})
+    try:
+        wait_until_ready(f"http://127.0.0.1:{sim_port}/health", sim)
+        yield stack.ready()
+    finally:
+        stack.close()
+        sim.terminate()
+        sim.wait(15)
 
 
 def requests_counted(url: str) -> tuple[float, float]:
@@ -73,23 +66,8 @@ def settle(url: str, sent: int) -> None:
         time.sleep(0.1)
 
 
-def worker_pids(url: str) -> list[int]:
-    port = url.rsplit(":", 1)[1]
-    master = next(p for p in psutil.process_iter(["cmdline"])
-                  if "serve" in (p.info["cmdline"] or []) and port in p.info["cmdline"])
-    pids = []
-    for child in master.children():
-        try:
-            if (child.status() != psutil.STATUS_ZOMBIE
-                    and "proxy.runtime.worker" in " ".join(child.cmdline())):
-                pids.append(child.pid)
-        except psutil.Error:
-            pass  # gone since it was listed
-    return pids
-
-
-def test_every_workers_requests_are_in_every_scrape(served: tuple[str, Path]) -> None:
-    url, _ = served  # guests may chat on these tiers: no key needed
+def test_every_workers_requests_are_in_every_scrape(served: Stack) -> None:
+    url = served.url  # guests may chat on these tiers: no key needed
     sent, prefixes = 0, set[str]()
     for _ in range(200):  # new connections until both workers have answered some
         r = httpx.post(f"{url}{CHAT}", json=BODY, headers={"Connection": "close"})
@@ -103,11 +81,11 @@ def test_every_workers_requests_are_in_every_scrape(served: tuple[str, Path]) ->
     for _ in range(6):  # whichever worker answers the scrape
         assert requests_counted(url)[0] == sent
     # A worker killed outright: its counts stay (its files remain), its replacement adds on.
-    os.kill(worker_pids(url)[0], signal.SIGKILL)
+    os.kill(served.workers()[0], signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
+    while len(served.workers()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(worker_pids(url)) == 2, "the killed worker was not replaced"
+    assert len(served.workers()) == 2, "the killed worker was not replaced"
     time.sleep(1.0)  # the replacement binds the port once its app is up
     for _ in range(5):
         assert httpx.post(f"{url}{CHAT}", json=BODY, headers={"Connection": "close"}

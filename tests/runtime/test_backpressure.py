@@ -5,9 +5,6 @@ charged), and a tier with headroom is still served. Real `serve`, real vLLM simu
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -15,8 +12,8 @@ from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
 from proxy.runtime.redis_process import RedisProcess
-from tests.conftest import MODEL, SimulatorFactory, free_port, new_key, write_config
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.conftest import MODEL, SimulatorFactory, new_key
+from tests.runtime.test_fleet import Stack
 from tests.test_pipeline import sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
@@ -48,30 +45,25 @@ HELLO = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 async def test_a_saturated_pool_refuses_basic_at_once_and_still_serves_max(
-        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory) -> None:
+        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory,
+        stacks: list[Stack]) -> None:
     sim = await simulator("vllm", max_concurrency=1)  # a batch of one: the rest queue
-    folder = write_config(tmp_path / "config", [{
-        "name": "r0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
-        "models": [MODEL]}], gateway={"access_log": "off"},
-        policies={"tiers.toml": TIERS, "prices.toml": PRICES})
+    gateway = Stack(tmp_path, [{"name": "r0", "kind": "vllm", "models": [MODEL],
+                                "url": str(sim.make_url("/")).rstrip("/")}],
+                    workers=2, redis_url=clean_redis.url, gateway_extra={"access_log": "off"},
+                    policies={"tiers.toml": TIERS, "prices.toml": PRICES})
+    stacks.append(gateway)
+    url = gateway.url
     basic = await new_key(clean_redis.url, "basic", account="acct-basic")
     best = await new_key(clean_redis.url, "max", account="acct-max")
     redis = Redis.from_url(clean_redis.url)
     ledger = Ledger(redis)
     for account in ("acct-basic", "acct-max"):
         await ledger.credit(account, 10**9, {"reason": "test"})
-    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with (tmp_path / "gateway.log").open("wb") as log:
-        gateway = subprocess.Popen(  # noqa: ASYNC220 (returns at once; waited on in a thread)
-            [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port",
-             str(port), "--workers", "2"], env=env, stdout=log, stderr=log)
     direct = aiohttp.ClientSession()  # other clients of the same engine, straight to it
     session = aiohttp.ClientSession()
     try:
-        await asyncio.to_thread(wait_until_ready, f"{url}/readyz", gateway)
+        await asyncio.to_thread(gateway.ready)
 
         async def chat(key: str) -> aiohttp.ClientResponse:
             return await session.post(url + CHAT, json=HELLO, headers={
@@ -121,5 +113,3 @@ async def test_a_saturated_pool_refuses_basic_at_once_and_still_serves_max(
         await session.close()
         await direct.close()
         await redis.aclose()
-        gateway.terminate()
-        await asyncio.to_thread(gateway.wait, 15)

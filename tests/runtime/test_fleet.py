@@ -97,6 +97,7 @@ class Stack:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "GATEWAY_ADMIN_TOKEN": ADMIN[
             "Authorization"].split()[1]}
         env.pop("GATEWAY_REDIS_URL", None)
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the master makes its own under data_dir
         if redis_url:
             env["GATEWAY_REDIS_URL"] = redis_url
         self.log = tmp / "gateway.log"

@@ -4,9 +4,6 @@ real vLLM simulators, send every request of one prefix to one replica."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,8 +11,8 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from proxy.runtime.redis_process import RedisProcess
-from tests.conftest import GENEROUS_TIERS, MODEL, SimulatorFactory, free_port, write_config
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.conftest import MODEL, SimulatorFactory
+from tests.runtime.test_fleet import Stack
 from tests.test_pipeline import sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
@@ -26,74 +23,57 @@ def body(system: str, user: str) -> dict[str, object]:
         {"role": "system", "content": system}, {"role": "user", "content": user}]}
 
 
+def serving(sims: list[TestServer], tmp: Path, redis_url: str) -> Stack:
+    """A two-worker `serve` in front of the simulators, as replicas r0, r1, ..."""
+    return Stack(tmp, [{"name": f"r{i}", "kind": "vllm", "models": [MODEL],
+                        "url": str(sim.make_url("/")).rstrip("/")} for i, sim in enumerate(sims)],
+                 workers=2, redis_url=redis_url, gateway_extra={"access_log": "off"})
+
+
 async def served_by(sims: list[TestServer]) -> Counter[int]:
     """How many chat requests each simulator got (the gateways' probes left out)."""
     return Counter({i: len(await sim_requests(sim)) for i, sim in enumerate(sims)})
 
 
 async def test_one_prefix_one_replica_from_every_worker_of_two_gateways(
-        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory) -> None:
+        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory,
+        stacks: list[Stack]) -> None:
     sims = [await simulator("vllm") for _ in range(3)]
-    folder = write_config(tmp_path / "config", [
-        {"name": f"r{i}", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
-         "models": [MODEL]} for i, sim in enumerate(sims)],
-        gateway={"access_log": "off"}, policies={"tiers.toml": GENEROUS_TIERS})
-    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    gateways, urls = [], []
-    try:
-        for i in range(2):
-            port = free_port()
-            with (tmp_path / f"gateway{i}.log").open("wb") as log:  # the child keeps its own
-                gateways.append(subprocess.Popen(  # noqa: ASYNC220 (returns at once)
-                    [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port",
-                     str(port), "--workers", "2"], env=env, stdout=log, stderr=log))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, gateways, strict=True):
-            await asyncio.to_thread(wait_until_ready, f"{url}/readyz", proc)
-        await asyncio.sleep(1.0)  # the masters' first reads of the engines' figures
+    gateways = [serving(sims, tmp_path / f"gateway{i}", clean_redis.url) for i in range(2)]
+    stacks.extend(gateways)
+    urls = [gateway.url for gateway in gateways]
+    for gateway in gateways:
+        await asyncio.to_thread(gateway.ready)
+    await asyncio.sleep(1.0)  # the masters' first reads of the engines' figures
 
-        async def ask(url: str, system: str, user: str) -> None:
-            async with aiohttp.ClientSession() as session, session.post(
-                    url + CHAT, json=body(system, user), headers={"Connection": "close"}) as r:
-                assert r.status == 200, await r.text()
+    async def ask(url: str, system: str, user: str) -> None:
+        async with aiohttp.ClientSession() as session, session.post(
+                url + CHAT, json=body(system, user), headers={"Connection": "close"}) as r:
+            assert r.status == 200, await r.text()
 
-        before = await served_by(sims)
-        for n in range(16):  # new connections: every worker of both gateways takes some
-            await ask(urls[n % 2], "You are the shared support assistant.", "Hello there")
-        got = await served_by(sims) - before
-        assert sorted(got.values()) == [16], got  # all of them on one replica
+    before = await served_by(sims)
+    for n in range(16):  # new connections: every worker of both gateways takes some
+        await ask(urls[n % 2], "You are the shared support assistant.", "Hello there")
+    got = await served_by(sims) - before
+    assert sorted(got.values()) == [16], got  # all of them on one replica
 
-        before = await served_by(sims)
-        for n in range(18):  # eighteen other prefixes: spread over the three
-            await ask(urls[n % 2], f"You are assistant number {n}.", "Hello there")
-        spread = await served_by(sims) - before
-        assert sum(spread.values()) == 18 and len(spread) == 3, spread
-    finally:
-        for proc in gateways:
-            proc.terminate()
-        for proc in gateways:
-            await asyncio.to_thread(proc.wait, 15)
+    before = await served_by(sims)
+    for n in range(18):  # eighteen other prefixes: spread over the three
+        await ask(urls[n % 2], f"You are assistant number {n}.", "Hello there")
+    spread = await served_by(sims) - before
+    assert sum(spread.values()) == 18 and len(spread) == 3, spread
 
 
 async def test_a_replica_whose_queue_is_full_gets_nothing_until_it_drains(
-        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory) -> None:
+        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory,
+        stacks: list[Stack]) -> None:
     sims = [await simulator("vllm", max_concurrency=1) for _ in range(2)]  # batches of one
-    folder = write_config(tmp_path / "config", [
-        {"name": f"r{i}", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
-         "models": [MODEL]} for i, sim in enumerate(sims)],
-        gateway={"access_log": "off"}, policies={"tiers.toml": GENEROUS_TIERS})
-    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url, "PYTHONUNBUFFERED": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with (tmp_path / "gateway.log").open("wb") as log:
-        gateway = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
-            [sys.executable, "-m", "proxy", "serve", "--config", str(folder), "--port",
-             str(port), "--workers", "2"], env=env, stdout=log, stderr=log)
+    gateway = serving(sims, tmp_path, clean_redis.url)
+    stacks.append(gateway)
+    url = gateway.url
     direct = aiohttp.ClientSession()
     try:
-        await asyncio.to_thread(wait_until_ready, f"{url}/readyz", gateway)
+        await asyncio.to_thread(gateway.ready)
         system = "You are the shared support assistant."
 
         async def ask() -> None:
@@ -126,5 +106,3 @@ async def test_a_replica_whose_queue_is_full_gets_nothing_until_it_drains(
         assert await served_by(sims) - before == Counter({home: 4})  # ... and the prefix is back
     finally:
         await direct.close()
-        gateway.terminate()
-        await asyncio.to_thread(gateway.wait, 15)

@@ -24,7 +24,8 @@ from proxy.credits.ledger import InsufficientCredits, Ledger
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
-from proxy.runtime.redis_process import RedisProcess, connect_redis
+from proxy.runtime.redis_process import RedisProcess
+from proxy.runtime.store import connect_redis
 
 __all__ = ["DEFAULT_TIERS", "add_commands", "known_tiers", "redis_url_for"]
 
@@ -194,13 +195,16 @@ async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
+    ledger = Ledger(store.redis, ack_replicas=config.gateway.ledger_ack_replicas)
     try:
-        available = await Ledger(store.redis).credit(
+        available = await ledger.credit(
             args.account, micro, {"reason": args.reason[:200], "actor": "cli",
                                   "ts": int(time.time())})
     except InsufficientCredits:
         print("refused: the adjustment would take the balance below zero", file=sys.stderr)
         return EXIT_FAIL
+    finally:
+        await ledger.close()
     print(f"{args.account}: added {format_credits(micro)}, available "
           f"{format_credits(available)} credits")
     return EXIT_OK

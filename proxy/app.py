@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
-from redis.asyncio import Redis
+from redis.asyncio import RedisCluster
 from redis.exceptions import RedisError
 
 from proxy.api import account, admin, dashboard, models, ollama_discovery, openapi, tasks
@@ -66,7 +66,8 @@ from proxy.reload import RELOADS, LivePolicies
 from proxy.runtime.background import stop_task
 from proxy.runtime.drain import Drain
 from proxy.runtime.fleet_state import fleet_key, signals_key
-from proxy.runtime.redis_process import connect_redis, rate_limit_redis_url
+from proxy.runtime.lease import Lease
+from proxy.runtime.store import Store, connect_redis, rate_limit_redis_url
 from proxy.styles.anthropic import AnthropicStyle
 from proxy.styles.base import ChatStyle
 from proxy.styles.ollama import OllamaStyle
@@ -111,8 +112,12 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
-async def _answers(redis: Redis) -> bool:
+async def _answers(redis: Store) -> bool:
+    """The store answers: its one server, or every primary of a Cluster (replicas do not
+    serve requests, so one that is down does not make the gateway unready)."""
     try:
+        if isinstance(redis, RedisCluster):
+            return bool(await redis.ping(target_nodes=RedisCluster.PRIMARIES))
         return bool(await redis.ping())
     except Exception:  # any failure to reach the store means not ready; its text is not public
         return False
@@ -239,9 +244,11 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         app[TASKS] = TaskStore(app[REDIS])
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
-        app[LEDGER] = Ledger(app[REDIS])
+        acks = config.gateway.ledger_ack_replicas
+        app[LEDGER] = Ledger(app[REDIS], ack_replicas=acks)
         app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
-        app[SETTLER] = Settler(app[REDIS], [app[LEDGER].settle_script], app[METRICS])
+        app[SETTLER] = Settler(app[LEDGER].primaries, [app[LEDGER].settle_script],
+                               app[METRICS], ack_replicas=acks)
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
         # Policy reloads asked of any worker reach every worker over the same connection.
         notices = {RELOADS: app[LIVE].on_notice}
@@ -253,6 +260,7 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
             await stop_task(task)
         await app[ADMITTER].close()
         await app[SETTLER].drain(timeout_s=5)  # what is queued lands before the store goes
+        await app[LEDGER].close()
         await app[REDIS].aclose()
         if app[COUNTERS] is not app[REDIS]:
             await app[COUNTERS].aclose()
@@ -319,10 +327,14 @@ async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def sweep_holds(app: web.Application) -> None:
-    """Release holds whose worker died before settling them (they carry an expiry)."""
+    """Release holds whose worker died before settling them (they carry an expiry). One worker
+    of the whole fleet sweeps each time: the holder of the sweeper's lease."""
+    lease = Lease(app[REDIS], "sweeper")
     while True:
         interval = min(30.0, app[LIVE].current.policies.prices.hold_ttl_s / 2)
         await asyncio.sleep(interval)
+        if not await lease.hold(ttl_s=3 * interval):
+            continue  # another worker sweeps (or the store is down)
         try:
             released = await app[LEDGER].sweep()
         except RedisError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from redis.asyncio import Redis
 
 from proxy.config import Config
 from proxy.credits.ledger import Ledger
@@ -16,6 +15,7 @@ from proxy.observe.metrics import Metrics
 from proxy.policy.admission import Admitter
 from proxy.reload import LivePolicies
 from proxy.runtime.drain import Drain
+from proxy.runtime.store import Store
 from proxy.styles.base import ChatStyle
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
@@ -25,14 +25,14 @@ from proxy.upstream.pool import Router
 CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
-REDIS = web.AppKey("redis", Redis)
+REDIS: web.AppKey[Store] = web.AppKey("redis")
 # The rate-limit counters' server, for /readyz (the same client as REDIS when they share one).
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
 ADMITTER = web.AppKey("admitter", Admitter)
 LEDGER = web.AppKey("ledger", Ledger)
 SETTLER = web.AppKey("settler", Settler)  # settlements queued, flushed in batches
-COUNTERS = web.AppKey("counters", Redis)  # the rate-limit counters' Redis (guests)
+COUNTERS: web.AppKey[Store] = web.AppKey("counters")  # the rate-limit counters' Redis (guests)
 OPENAPI = web.AppKey("openapi", bytes)
 # Each route's style, by handler: the middleware renders even its own refusals in it.
 ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")

@@ -62,6 +62,9 @@ class GatewaySection(_Section, frozen=True):
     # or top-up in a machine crash; "everysec" can lose the last second of them, and spares
     # every admission the wait behind an fsync on Redis' main thread (DESIGN §4; README).
     ledger_fsync: Literal["always", "everysec"] = "always"
+    # With replicas (Redis Cluster, Sentinel): each settlement batch and top-up waits until this
+    # many replicas have it (WAIT, at most 1 s), so a failover keeps every settled charge.
+    ledger_ack_replicas: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     # Relative paths are taken from the config folder.
     data_dir: str = ".gateway"
     # HTTP worker processes sharing the port (SO_REUSEPORT); unset = one per CPU.

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
-from redis.asyncio import Redis
 
 from proxy.config import Config, ConfigError, Policies, load_config
 from proxy.identity.auth import Authenticator
 from proxy.identity.keystore import KeyStore
+from proxy.runtime.store import Store
 
 log = logging.getLogger("proxy.reload")
 
@@ -56,7 +56,7 @@ class LivePolicies:
         if origin != self.origin:
             self.reload()
 
-    async def announce(self, redis: Redis) -> None:
+    async def announce(self, redis: Store) -> None:
         """Tell every other worker and gateway to reload too."""
         await redis.publish(RELOADS, self.origin)
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
-from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from proxy.errors import ErrorKind, GatewayError
 from proxy.ids import hex_id
+from proxy.runtime.store import Store
 
 HEADER = "Idempotency-Key"
 TTL_S = 24 * 3600
@@ -46,7 +46,7 @@ class Claim:
     fingerprint: str
     owner: str  # this request's own mark: a SET NX retried after a lost reply finds it
 
-    async def acquire(self, redis: Redis, pending_ttl_s: int) -> web.Response | None:
+    async def acquire(self, redis: Store, pending_ttl_s: int) -> web.Response | None:
         """Claim the key: None for a first request, the stored Response for a retry."""
         pending = orjson.dumps({"fingerprint": self.fingerprint, "owner": self.owner}) \
             + b"\n" + _PENDING

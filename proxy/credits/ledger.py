@@ -30,15 +30,18 @@ accounts; it is only an index — losing an entry never changes money.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
 
 from proxy.ids import hex_id
+from proxy.runtime.store import ACK_TIMEOUT_MS, Primaries, Store
+
+log = logging.getLogger("proxy.credits.ledger")
 
 ACCOUNTS = "igw:ledger:accounts"
 Arg = bytes | str | int | float  # what a script's ARGV takes
@@ -110,8 +113,13 @@ def journal_entry(raw: object) -> dict[str, Any]:
 
 
 class Ledger:
-    def __init__(self, redis: Redis) -> None:
+    """`ack_replicas`: each top-up and settlement waits (WAIT) until this many replicas have it,
+    so a failover to a replica keeps it (`[gateway] ledger_ack_replicas`)."""
+
+    def __init__(self, redis: Store, *, ack_replicas: int = 0) -> None:
         self.redis = redis
+        self.primaries = Primaries(redis)  # who holds each account (admission, settlements)
+        self.ack_replicas = ack_replicas
         # register_script: EVALSHA, reloading the script on NOSCRIPT (e.g. after a restart).
         self.admit_script = redis.register_script(lua_script("admit"))
         self.settle_script = redis.register_script(lua_script("settle"))
@@ -122,8 +130,16 @@ class Ledger:
         """Top up (or adjust, when negative); journaled. Returns the new available balance."""
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
-        ok, available = await self._credit(keys=[keys.balance, keys.journal, keys.ended],
-                                           args=[amount, orjson.dumps(details), hex_id()])
+        # The script and its WAIT share one connection of the account's primary.
+        async with self.primaries.client_for(keys.balance).pipeline(transaction=False) as pipe:
+            await self._credit(keys=[keys.balance, keys.journal, keys.ended],
+                               args=[amount, orjson.dumps(details), hex_id()], client=pipe)
+            if self.ack_replicas:
+                pipe.execute_command("WAIT", self.ack_replicas, ACK_TIMEOUT_MS)
+            (ok, available), *acks = await pipe.execute()
+        if acks and int(acks[0]) < self.ack_replicas:
+            log.warning("a top-up of %s reached %s of %d replica(s) in time; a failover now "
+                        "could lose it", account, acks[0], self.ack_replicas)
         if not ok:
             raise InsufficientCredits(int(available), -amount)
         return int(available)
@@ -150,6 +166,9 @@ class Ledger:
         keys, args = settle_call(account, hold_id, cost, 0, status, "", {}, details, keep, 0)
         charged = await self.settle_script(keys=keys, args=args)
         return None if int(charged) < 0 else int(charged)
+
+    async def close(self) -> None:
+        await self.primaries.close()
 
     async def balance(self, account: str) -> Balance:
         raw = _fields(await self.redis.hgetall(AccountKeys.of(account).balance))

@@ -9,6 +9,12 @@ that fails is retried with backoff (every write in it is safe to repeat: a settl
 does nothing, SET and DEL are idempotent) and, past the last attempt, dropped: its holds expire and
 the sweeper releases them, so a lost settlement never over-charges (reconcile reports it until
 then).
+
+Each write names the key it goes to, so a batch is split by the primary that holds each key (one
+pipeline per Cluster node, as they all are with one Redis). With `ack_replicas`, each pipeline
+ends with a WAIT on the same connection: the batch is done once that many replicas have it, so a
+failover to one of them loses no settled charge. A part of a batch that fails is sent again where
+its keys are now (the Cluster's slot map is read again first).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -24,42 +31,51 @@ from redis.exceptions import NoScriptError, RedisError
 
 from proxy.credits.ledger import Arg
 from proxy.observe.metrics import Metrics
+from proxy.runtime.store import ACK_TIMEOUT_MS, Primaries
 
 log = logging.getLogger("proxy.settler")
 
-Write = Callable[[Pipeline], object]
 
-RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # ~4 s in all: a Redis restart fits
+@dataclass(frozen=True, slots=True)
+class Write:
+    key: str  # the key it writes (all its keys share this one's slot)
+    queue: Callable[[Pipeline], object]  # adds the command(s) to a pipeline
+
+# ~16 s in all: a Redis restart fits, and a Cluster's or Sentinel's failover (a few seconds).
+RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 FLUSH_INTERVAL_S = 0.01  # a hold lives at most this much longer; Redis fsyncs <= 100 times a second
 MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are dropped
 
 
 class Settler:
-    def __init__(self, redis: Redis, scripts: Sequence[AsyncScript],
-                 metrics: Metrics | None = None) -> None:
-        self._redis = redis
+    def __init__(self, primaries: Primaries, scripts: Sequence[AsyncScript],
+                 metrics: Metrics | None = None, *, ack_replicas: int = 0) -> None:
+        self._primaries = primaries
+        self._ack_replicas = ack_replicas
         self._scripts = tuple(scripts)
         self._metrics = metrics
         self._queue: list[Write] = []
         self._flushing = 0
         self._wake = asyncio.Event()
         self.lost = 0  # writes dropped after every retry failed
+        self.unreplicated = 0  # writes that fewer than `ack_replicas` replicas confirmed in time
 
     @property
     def pending(self) -> int:
         """Writes queued or being flushed."""
         return len(self._queue) + self._flushing
 
-    def add(self, write: Write) -> None:
+    def add(self, key: str, queue: Callable[[Pipeline], object]) -> None:
+        """Queue a write to `key` (and keys in its slot): `queue` adds it to a pipeline."""
         if len(self._queue) >= MAX_QUEUED:
             self._queue.pop(0)
             self._lose(1)
-        self._queue.append(write)
+        self._queue.append(Write(key, queue))
         self._wake.set()
 
     def settle(self, script: AsyncScript, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Queue one call of a registered script."""
-        self.add(lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))
+        self.add(keys[0], lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))
 
     async def run(self) -> None:
         """Flush forever (the app's cleanup cancels it, then calls `drain`)."""
@@ -94,27 +110,64 @@ class Settler:
         for attempt, delay in enumerate((0.0, *RETRY_DELAYS_S)):
             if delay:
                 await asyncio.sleep(delay)
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for write in batch:
-                        write(pipe)
-                    await pipe.execute()
+                await self._primaries.refresh()  # a Cluster's slot may have moved
+            groups: dict[int, tuple[Redis, list[Write]]] = {}
+            unrouted: list[Write] = []
+            errors: list[RedisError] = []
+            for write in batch:
+                try:
+                    client = self._primaries.client_for(write.key)
+                except RedisError as exc:
+                    unrouted.append(write)
+                    errors.append(exc)
+                    continue
+                groups.setdefault(id(client), (client, []))[1].append(write)
+            failed = await asyncio.gather(*(self._send(c, ws) for c, ws in groups.values()))
+            batch = unrouted + [w for (_, writes), error in zip(groups.values(), failed,
+                                                                strict=True)
+                                if error is not None for w in writes]
+            if not batch:
                 return
-            except NoScriptError:
-                await self._load_scripts()  # Redis restarted without them: load, then again
-            except RedisError as exc:
-                if self._metrics is not None:
-                    self._metrics.redis_errors.labels("settlement").inc()
-                if attempt == len(RETRY_DELAYS_S):
-                    break
-                log.warning("settlement batch of %d failed (%s); retrying", len(batch),
-                            type(exc).__name__)
+            errors += [e for e in failed if e is not None]
+            if self._metrics is not None:
+                self._metrics.redis_errors.labels("settlement").inc()
+            if attempt < len(RETRY_DELAYS_S):
+                log.warning("%d settlement write(s) failed (%s); retrying", len(batch),
+                            type(errors[0]).__name__)
         self._lose(len(batch))
 
-    async def _load_scripts(self) -> None:
+    async def _send(self, client: Redis, writes: list[Write]) -> RedisError | None:
+        """One pipeline to one primary (then WAIT for replicas); the error, if it failed."""
+        try:
+            try:
+                replies = await self._pipeline(client, writes)
+            except NoScriptError:  # a server new to this client, or restarted: load, again
+                await self._load_scripts(client)
+                replies = await self._pipeline(client, writes)
+        except RedisError as exc:
+            return exc
+        if self._ack_replicas and int(str(replies[-1])) < self._ack_replicas:
+            self.unreplicated += len(writes)
+            if self._metrics is not None:
+                self._metrics.settlements_unreplicated.inc(len(writes))
+            log.warning("%d settlement write(s) reached %d of %d replica(s) in time; a "
+                        "failover now could lose them", len(writes), replies[-1],
+                        self._ack_replicas)
+        return None
+
+    async def _pipeline(self, client: Redis, writes: list[Write]) -> list[object]:
+        async with client.pipeline(transaction=False) as pipe:
+            for write in writes:
+                write.queue(pipe)
+            if self._ack_replicas:
+                pipe.execute_command("WAIT", self._ack_replicas, ACK_TIMEOUT_MS)
+            replies: list[object] = await pipe.execute()
+            return replies
+
+    async def _load_scripts(self, client: Redis) -> None:
         try:
             for script in self._scripts:
-                await self._redis.script_load(script.script)
+                await client.script_load(script.script)
         except RedisError:
             pass  # the next attempt fails on its own and is retried
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from aiohttp import BodyPartReader, StreamReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.appkeys import CONFIG
 from proxy.errors import ErrorKind, GatewayError
@@ -90,7 +91,8 @@ async def read_form(request: web.Request, cap: int) -> Form:
         raise GatewayError(ErrorKind.REQUEST_TIMEOUT,
                            f"the request body did not arrive within {deadline:g} s",
                            headers={"Connection": "close"}) from None
-    except (ValueError, AssertionError, RuntimeError):  # aiohttp's words for a broken body
+    # aiohttp's words for a broken body (a part's bad header line is an HttpProcessingError)
+    except (ValueError, AssertionError, RuntimeError, HttpProcessingError):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the multipart body is malformed",
                            headers={"Connection": "close"}) from None
 

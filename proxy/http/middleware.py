@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.exceptions import RedisClusterException, RedisError
 
 from proxy.appkeys import (
     ACCESS_LOG,
@@ -17,7 +18,7 @@ from proxy.appkeys import (
     ROUTE_STYLES,
     STYLE,
 )
-from proxy.errors import ErrorKind, GatewayError
+from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.headers import request_id_from
 from proxy.ids import hex_id
 from proxy.observe.trace import CURRENT, TRACE, Trace
@@ -90,6 +91,13 @@ async def _answer(request: web.Request, handler: Handler, request_id: str,
         if exc.status >= 500:  # the operator's business: upstream failures, outages
             log.warning("%s %s -> %d %s (request %s)", request.method, request.path,
                         exc.status, exc.kind.type, request_id)
+    except (RedisError, RedisClusterException):
+        # A store failure no step handled itself (e.g. mid-failover of a Cluster): the store's
+        # trouble, not ours: 503, never a 500.
+        error = store_unavailable("state store")
+        response = error_response(request, error)
+        trace.error = error.kind.type
+        request.app[METRICS].redis_errors.labels("state store").inc()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

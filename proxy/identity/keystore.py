@@ -33,10 +33,10 @@ from typing import Any, Final, Literal
 import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from proxy.config import KeysPolicy
 from proxy.identity import apikeys
+from proxy.runtime.store import Store, listener_client
 
 __all__ = ["ACCOUNT_PATTERN", "REVOCATIONS", "AccountView", "KeyRecord", "KeyStore"]
 
@@ -100,7 +100,7 @@ def _text(value: bytes | str) -> str:
 class KeyStore:
     """Key records for one Redis; one instance per worker process, shared by its requests."""
 
-    def __init__(self, redis: Redis, policy: KeysPolicy, *, max_cache_entries: int = 100_000,
+    def __init__(self, redis: Store, policy: KeysPolicy, *, max_cache_entries: int = 100_000,
                  ping_interval_s: float = 10.0) -> None:
         self._redis = redis
         self._policy = policy
@@ -114,7 +114,7 @@ class KeyStore:
         self.listener_connects = 0  # how often the listener has (re)subscribed
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> Store:
         """The client this store uses (the CLI shares it with the ledger)."""
         return self._redis
 
@@ -146,7 +146,9 @@ class KeyStore:
             raise RuntimeError("could not allocate a key id")
         record = KeyRecord(id=kid, account=account, tier=tier, status="active", label=label,
                            created=int(time.time()), digest=digest)
-        async with self._redis.pipeline(transaction=True) as pipe:
+        # Not one transaction: the three keys lie in different Cluster slots. The record goes
+        # first; a crash before the indexes leaves a key nobody was ever given.
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(_key(digest), mapping={
                 "id": kid, "account": account, "tier": tier, "status": "active",
                 "label": label, "created": str(record.created),
@@ -234,7 +236,10 @@ class KeyStore:
         ids = [_text(kid) for members in id_sets for kid in members]
         if not ids:
             return []
-        digests = [_text(d) for d in await self._redis.mget([_keyid(k) for k in ids]) if d]
+        async with self._redis.pipeline(transaction=False) as pipe:  # no MGET across slots
+            for kid in ids:
+                pipe.get(_keyid(kid))
+            digests = [_text(d) for d in await pipe.execute() if d]
         async with self._redis.pipeline(transaction=False) as pipe:
             for digest in digests:
                 pipe.hgetall(_key(digest))
@@ -276,23 +281,30 @@ class KeyStore:
         with its connection closed.
         """
         backoff = 0.1
+        turn = 0
         while True:
             connects = self.listener_connects
+            client: Redis | None = None
+            turn += 1
             try:
-                await self._listen_once(notices or {})
-            except (RedisError, OSError) as exc:
+                client = await listener_client(self._redis, turn)
+                await self._listen_once(client, notices or {})
+            except Exception as exc:  # redis-py raises more than RedisError while failing over
                 # The exception text may carry the server address; its class is enough here.
                 log.warning("revocation listener lost Redis (%s); retrying in %.1f s",
                             type(exc).__name__, backoff)
             finally:
                 self._listening = False
+                if client is not None and client is not self._redis:
+                    await client.aclose()
             if self.listener_connects != connects:
                 backoff = 0.1  # it was subscribed for a while: this is a fresh outage
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _listen_once(self, notices: Mapping[str, Callable[[str], object]]) -> None:
-        pubsub = self._redis.pubsub()
+    async def _listen_once(self, client: Redis,
+                           notices: Mapping[str, Callable[[str], object]]) -> None:
+        pubsub = client.pubsub()
         try:
             await pubsub.subscribe(REVOCATIONS, *notices)
             awaiting_pong = False

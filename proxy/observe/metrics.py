@@ -135,6 +135,10 @@ class Metrics:
         self.settlements_lost = Counter(
             "igw_settlements_lost", "Settlement writes dropped after every retry failed (their "
             "holds expire and the sweeper releases them).", registry=r)
+        self.settlements_unreplicated = Counter(
+            "igw_settlements_unreplicated", "Settlement writes that fewer replicas than "
+            "`ledger_ack_replicas` confirmed within a second (a failover then could lose them).",
+            registry=r)
 
     # --- the hot path: tallied in plain dicts, written to the metric values by `flush` ------
 

@@ -20,12 +20,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.appkeys import METRICS, REDIS, ROUTER
 from proxy.runtime.fleet_state import BACKING_OFF, READY, STARTING, STOPPED, UNHEALTHY
 from proxy.runtime.master import MULTIPROC_ENV
+from proxy.runtime.store import Store
 from proxy.tasks.store import GROUP, QUEUE
 from proxy.upstream.pool import Backend
 
@@ -98,7 +98,7 @@ def backend_families(backends: Iterable[Backend]) -> list[Metric]:
     return [up, state, restarts, *engine.values()]
 
 
-async def _queue_depth(redis: Redis) -> list[Metric]:
+async def _queue_depth(redis: Store) -> list[Metric]:
     """Async tasks waiting for a runner and running now (a runner deletes an entry when done,
     so the stream holds exactly these; the group's pending ones are running)."""
     depth = GaugeMetricFamily("igw_task_queue_depth", "Async tasks waiting and running.",

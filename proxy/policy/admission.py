@@ -28,15 +28,14 @@ from dataclasses import dataclass
 from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.config import TierPolicy
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
-from proxy.runtime.redis_process import StoreBusy
-from proxy.runtime.script_pipe import ScriptPipe
+from proxy.runtime.script_pipe import ScriptPipes
+from proxy.runtime.store import Primaries, Store, StoreBusy
 
 log = logging.getLogger("proxy.policy.admission")
 
@@ -69,13 +68,14 @@ class Hold:
 
 
 class Admitter:
-    def __init__(self, ledger: Ledger, counters: Redis) -> None:
+    def __init__(self, ledger: Ledger, counters: Store) -> None:
         self._ledger = ledger
         self._admit = ledger.admit_script
         self._guest_admit = counters.register_script(ledger.admit_script.script)
-        # Admissions go out as they come on one connection per Redis, pipelined.
-        self._keyed = ScriptPipe(ledger.redis)
-        self._guests = ScriptPipe(counters)
+        # Admissions go out as they come on one connection per primary, pipelined.
+        self._keyed = ScriptPipes(ledger.primaries)
+        self._counters = ledger.primaries if counters is ledger.redis else Primaries(counters)
+        self._guests = ScriptPipes(self._counters)
         self._fallback = MovingWindowRateLimiter(MemoryStorage())
         self._indexed: set[str] = set()  # accounts this process already put in the index
         self.failed_open = 0
@@ -115,6 +115,8 @@ class Admitter:
     async def close(self) -> None:
         await self._keyed.close()
         await self._guests.close()
+        if self._counters is not self._ledger.primaries:
+            await self._counters.close()
 
     async def count(self, principal: Principal, tier_name: str, tier: TierPolicy) -> Window:
         """Count an attempt that holds nothing (refused early, or a route without credits)."""

@@ -11,70 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
-
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from proxy.config import Config
 
 _PR_SET_PDEATHSIG = 1
-
-
-RATE_LIMIT_URL_ENV = "GATEWAY_RATELIMIT_REDIS_URL"
-
-
-class StoreBusy(RedisConnectionError):
-    """Every pooled connection stayed in use for the pool's whole wait: the store is busy, not
-    down (callers must not fail open on it)."""
-
-
-class _Pool(BlockingConnectionPool):
-    """A bounded pool whose callers wait a little for a free connection, and say so if none
-    frees up (redis-py's default pool fails at once past its size, looking like an outage)."""
-
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
-        except RedisConnectionError as exc:
-            if isinstance(exc.__cause__, TimeoutError):
-                raise StoreBusy("no Redis connection free") from exc
-            raise
-
-
-POOL_SIZE = 64  # per client and worker: requests share them, settlements go as one pipeline
-POOL_WAIT_S = 2.0
-
-
-def connect_redis(url: str, *, timeout_s: float = 2.0) -> Redis:
-    """The one way the gateway makes a Redis client: a bounded pool, short timeouts, and a command
-    whose connection dropped, was refused or timed out retried twice (0.1 s, then 0.2 s later):
-    enough to ride out a restart of the embedded Redis (about 0.1 s).
-
-    The asyncio `Retry`: redis-py accepts the sync one here too, but then never retries.
-    A retried write may run twice if Redis died after running it but before answering: the
-    ledger's scripts make that harmless (hold ids, settle-once, credit ids)."""
-    pool = _Pool.from_url(
-        url, max_connections=POOL_SIZE, timeout=POOL_WAIT_S, socket_timeout=timeout_s,
-        socket_connect_timeout=2.0,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
-    return Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
-
-
-def rate_limit_redis_url(config: Config, default: str) -> str:
-    """Where rate-limit counters live: their own Redis if one is named, else `default`."""
-    return os.environ.get(RATE_LIMIT_URL_ENV) or config.gateway.rate_limit_redis_url or default
 
 
 def redis_server_binary() -> str:
@@ -185,4 +128,4 @@ class RedisProcess:
             return False
 
 
-__all__ = ["RedisProcess", "connect_redis", "rate_limit_redis_url", "redis_server_binary"]
+__all__ = ["RedisProcess", "redis_server_binary"]

@@ -10,6 +10,12 @@ A connection that fails (refused, reset, no reply within `REPLY_TIMEOUT_S`) fail
 flight on it with the error, and the next call connects afresh: callers treat that as the store
 being unreachable. A caller that is cancelled while waiting does not stop its command: whoever
 cancels must assume it ran (see `ChatMeter` and its stages).
+
+`ScriptPipes` keeps one pipe per primary (runtime.store.Primaries) and sends each call to the one
+holding its first key. With a Cluster or Sentinels, a call that meets a moved slot or a lost
+primary looks the primary up again and is sent again (twice at most, 0.1 s then 0.3 s later): a
+failover costs the calls made while it lasts an error, never a wrong answer. A call sent twice
+may run twice: admission's script makes that harmless (a hold id is placed once).
 """
 
 from __future__ import annotations
@@ -22,9 +28,18 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from proxy.runtime.store import Primaries
 
 REPLY_TIMEOUT_S = 2.0
 
@@ -119,3 +134,36 @@ class ScriptPipe:
         if self._conn is not None:
             await self._conn.disconnect()
             self._conn = None
+
+
+RESEND_DELAYS_S = (0.1, 0.3)
+# Answers that mean "not here, or not now": the slot moved, or the Cluster is failing over.
+_ELSEWHERE = (RedisConnectionError, RedisTimeoutError, AskError, ClusterDownError, TryAgainError)
+
+
+class ScriptPipes:
+    """A `ScriptPipe` per primary; each call goes to the primary that holds its first key."""
+
+    def __init__(self, primaries: Primaries) -> None:
+        self._primaries = primaries
+        self._pipes: dict[int, ScriptPipe] = {}  # by the primary's client
+
+    async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        delays = RESEND_DELAYS_S if self._primaries.failover else ()
+        for delay in (*delays, None):
+            client = self._primaries.client_for(keys[0])
+            pipe = self._pipes.get(id(client))
+            if pipe is None:
+                pipe = self._pipes[id(client)] = ScriptPipe(client)
+            try:
+                return await pipe.call(script, keys, args)
+            except _ELSEWHERE:
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
+            await self._primaries.refresh()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        for pipe in self._pipes.values():
+            await pipe.close()

@@ -20,10 +20,10 @@ import time
 from collections.abc import Sequence
 
 import aiohttp
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.config import BackendSpec
+from proxy.runtime.store import Store
 from proxy.upstream.signals import (
     MAX_TEXT,
     SIGNAL_KINDS,
@@ -37,7 +37,7 @@ log = logging.getLogger("proxy.runtime.signals")
 
 
 class SignalScraper:
-    def __init__(self, specs: Sequence[BackendSpec], redis: Redis, key: str,
+    def __init__(self, specs: Sequence[BackendSpec], redis: Store, key: str,
                  interval_s: float) -> None:
         self.specs = [s for s in specs if s.kind in SIGNAL_KINDS]
         self.redis = redis

@@ -33,7 +33,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.config import BackendSpec, Config, HealthSection, SupervisorSection
@@ -50,6 +49,7 @@ from proxy.runtime.fleet_state import (
     State,
     fleet_key,
 )
+from proxy.runtime.store import Store
 from proxy.upstream.pool import health_path
 from proxy.upstream.prober import PROBE_HEADERS, probe_session
 
@@ -260,7 +260,7 @@ class SupervisedBackend:
 class Supervisor:
     """All supervised backends of one gateway, and the Redis hash that tells the workers."""
 
-    def __init__(self, config: Config, redis: Redis) -> None:
+    def __init__(self, config: Config, redis: Store) -> None:
         self.redis = redis
         self.key = fleet_key(config.root)
         self.session = probe_session(config.health.timeout_s)

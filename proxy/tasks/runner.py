@@ -1,12 +1,13 @@
 """Running queued tasks: every worker is a consumer of the `igw-runners` group.
 
 Each worker reads new entries (`XREADGROUP ... >`) up to `runners_per_worker` at a time, and
-every few seconds claims entries another consumer has left idle longer than `claim_idle_s`
-(`XAUTOCLAIM`): a worker that died mid-task stops touching its entries, so they move to a live
-one. A running task keeps its entry fresh (`XCLAIM ... JUSTID` by its own consumer, a third of
-`claim_idle_s` apart), so a long task is never taken from a live worker. An entry is acked and
-deleted once its task has ended; a task that already ended (a reclaim raced its finish) is only
-acked. The work itself is `execute` (proxy.pipeline.run_task): the request path minus the client.
+every few seconds one worker of the fleet (the holder of a lease, runtime.lease) claims entries
+another consumer has left idle longer than `claim_idle_s` (`XAUTOCLAIM`): a worker that died
+mid-task stops touching its entries, so they move to a live one. A running task keeps its entry
+fresh (`XCLAIM ... JUSTID` by its own consumer, a third of `claim_idle_s` apart), so a long task
+is never taken from a live worker. An entry is acked and deleted once its task has ended; a task
+that already ended (a reclaim raced its finish) is only acked. The work itself is `execute`
+(proxy.pipeline.run_task): the request path minus the client.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.runtime.background import stop_task
+from proxy.runtime.lease import Lease
+from proxy.runtime.store import Store
 from proxy.tasks.store import GROUP, QUEUE, TaskStore
 
 log = logging.getLogger("proxy.tasks")
@@ -35,13 +37,17 @@ def consumer_name() -> str:
 
 
 class TaskRunner:
-    def __init__(self, redis: Redis, store: TaskStore, execute: Execute, *, concurrency: int,
+    def __init__(self, redis: Store, store: TaskStore, execute: Execute, *, concurrency: int,
                  claim_idle_s: float, name: str | None = None) -> None:
         self.redis = redis
         self.store = store
         self.execute = execute
         self.name = name or consumer_name()
         self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.claim_every_s = min(5.0, claim_idle_s / 3)
+        # One runner of the whole fleet looks for abandoned entries at a time: the lease's
+        # holder, while it has room to run them (a busy holder lets the lease lapse).
+        self.claim_lease = Lease(redis, "task-reclaim")
         self.concurrency = concurrency
         self._running: set[asyncio.Task[None]] = set()
 
@@ -54,8 +60,11 @@ class TaskRunner:
         while True:
             try:
                 if loop.time() >= next_claim:
-                    next_claim = loop.time() + min(5.0, self.claim_idle_ms / 3000)
-                    await self._start(await self._claim_abandoned())
+                    next_claim = loop.time() + self.claim_every_s
+                    # No queue yet (no task ever submitted): nothing to claim, nothing written.
+                    if self._free() and await self.redis.exists(QUEUE) \
+                            and await self.claim_lease.hold(3 * self.claim_every_s):
+                        await self._start(await self._claim_abandoned())
                 if not self._free():
                     await asyncio.wait(set(self._running), return_when=asyncio.FIRST_COMPLETED)
                 await self._start(await self._read_new())
@@ -70,6 +79,7 @@ class TaskRunner:
     async def close(self) -> None:
         for task in list(self._running):
             await stop_task(task)
+        await self.claim_lease.release()
 
     async def _read_new(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
         free = self._free()

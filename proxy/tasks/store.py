@@ -15,22 +15,24 @@ group `igw-runners` (proxy.tasks.runner).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
+from proxy.runtime.store import Store
 from proxy.tasks.spec import DECODER, ENCODER, TaskSpec
 
 QUEUE = "igw:tasks"
 GROUP = "igw-runners"
 
-# Refuse past the cap; else count the task, write its record, and queue it, in one step.
-# KEYS: open counter, task hash, queue stream. ARGV: cap, spec, now, record ttl, account, id,
-# the consumer group.
+# Refuse past the cap; else count the task and write its record, in one step (the queue is
+# another key, in another Cluster slot: `TaskStore.submit` adds the entry next).
+# KEYS: open counter, task hash. ARGV: cap, spec, now, record ttl.
 _SUBMIT = """
 local open = tonumber(redis.call('GET', KEYS[1]) or '0')
 if open >= tonumber(ARGV[1]) then return 0 end
@@ -39,10 +41,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('HSET', KEYS[2], 'status', 'running', 'spec', ARGV[2], 'created_at', ARGV[3],
            'updated_at', ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
-redis.call('XADD', KEYS[3], '*', 'account', ARGV[5], 'id', ARGV[6])
--- The runners' group, made with the first task (from the stream's start: nothing is missed);
--- afterwards this answers BUSYGROUP, which pcall swallows.
-redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[7], '0')
 return 1
 """
 # End a running task once: its outcome, the record's new expiry, one fewer open task.
@@ -74,18 +72,38 @@ def _text(value: object) -> str:
 
 
 class TaskStore:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Store) -> None:
         self.redis = redis
         self._submit = redis.register_script(_SUBMIT)
         self._finish = redis.register_script(_FINISH)
 
     async def submit(self, spec: TaskSpec, *, max_open: int, record_ttl_s: int) -> bool:
-        """Record and queue the task; False when the account already has `max_open` open."""
+        """Record and queue the task; False when the account already has `max_open` open.
+
+        Two steps (record, then queue entry). If the entry cannot be added, the task is ended
+        as failed (freeing its place under the cap) and the error raised. A process that dies
+        between the two leaves a record that stays `running` until it expires, counted under
+        the cap until then; its hold expires and is released."""
         done = await self._submit(
-            keys=[open_key(spec.account), task_key(spec.account, spec.id), QUEUE],
-            args=[max_open, ENCODER.encode(spec), int(time.time()), record_ttl_s, spec.account,
-                  spec.id, GROUP])
-        return bool(done)
+            keys=[open_key(spec.account), task_key(spec.account, spec.id)],
+            args=[max_open, ENCODER.encode(spec), int(time.time()), record_ttl_s])
+        if not done:
+            return False
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(QUEUE, {"account": spec.account, "id": spec.id})
+                # The runners' group, made with the first task (from the stream's start: nothing
+                # is missed); afterwards this answers BUSYGROUP.
+                pipe.xgroup_create(QUEUE, GROUP, id="0")
+                added, _ = await pipe.execute(raise_on_error=False)
+            if isinstance(added, Exception):
+                raise added
+        except RedisError:
+            with contextlib.suppress(RedisError):
+                await self.finish(spec.account, spec.id, ttl_s=record_ttl_s, error={
+                    "type": "service_unavailable", "message": "the task could not be queued"})
+            raise
+        return True
 
     async def record(self, account: str, task_id: str) -> dict[str, str] | None:
         raw = await self.redis.hgetall(task_key(account, task_id))

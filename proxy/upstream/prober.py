@@ -26,11 +26,11 @@ from collections.abc import Sequence
 
 import aiohttp
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.config import HealthSection
 from proxy.runtime.fleet_state import POLL_S, READY, FleetRecord
+from proxy.runtime.store import Store
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, health_path
 from proxy.upstream.signals import SIGNAL_KINDS, EngineSignals
@@ -193,7 +193,7 @@ class FleetSync:
     """Follows the master's records in Redis: the supervisor's states of supervised backends,
     and the engines' own load (vLLM and TGI backends, proxy.runtime.signal_scraper)."""
 
-    def __init__(self, backends: Sequence[Backend], redis: Redis, key: str,
+    def __init__(self, backends: Sequence[Backend], redis: Store, key: str,
                  signals_key: str | None = None) -> None:
         self.backends = [b for b in backends if b.supervised]
         self.signalled = [b for b in backends if b.spec.kind in SIGNAL_KINDS] \

@@ -331,7 +331,7 @@ async def test_a_failed_settlement_is_retried_until_redis_answers(
         await ledger.credit("acme", 1000, {})
         hold = await ledger.hold("acme", 100, ttl_s=60)
         metrics = Metrics(Labels((), frozenset, ()), CollectorRegistry())
-        settler = Settler(redis, [ledger.settle_script], metrics)
+        settler = Settler(ledger.primaries, [ledger.settle_script], metrics)
         keys, args = settle_call("acme", hold, 40, 100, "completed", MODEL,
                                  {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0)
         await admin.execute_command("CLIENT", "PAUSE", "400")  # Redis stops answering a while

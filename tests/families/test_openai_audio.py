@@ -105,6 +105,12 @@ async def test_uploads_are_counted_and_checked(media: MediaFactory) -> None:
         async with session.post(url, data=b"--x\r\n" + b"a" * 1000,
                                 headers={"Content-Type": "multipart/form-data"}) as r:
             assert r.status == 400
+        # A part whose header line is not a header (found by fuzzing: was a 500).
+        bad_header = (b'--b\r\nContent-Disposition: form-data; name="\x0c\x7f"\r\n\r\nx\r\n'
+                      b"--b--\r\n")
+        async with session.post(url, data=bad_header,
+                                headers={"Content-Type": "multipart/form-data; boundary=b"}) as r:
+            assert r.status == 400, await r.text()
         form = aiohttp.FormData()
         form.add_field("model", ASR_MODEL)
         form.add_field("other", b"RIFF", filename="a.wav")

@@ -1,0 +1,247 @@
+"""Scale-out: three `serve` gateways (two workers each) sharing one state store, under bounded
+mixed load: a real Redis Cluster of three primaries with a replica each, then a primary watched
+by three Sentinels. Each shows, across all three gateways:
+
+- the basic tier's 20 requests a minute hold exactly;
+- a balance every gateway draws on is never over-spent, and reconcile is clean;
+- the primary holding an account is SIGKILLed mid-run, a replica is promoted, and every request
+  answered 200 is one charge in the journal (no settled charge lost, none twice);
+- a revocation and a policy reload asked of one gateway reach every worker of every gateway
+  (the time it takes is printed: `-s` shows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.credits.ledger import AccountKeys, Ledger
+from proxy.runtime.store import connect_redis
+from tests.conftest import MODEL, SimulatorFactory
+from tests.redis_topologies import ClusterProcesses, SentinelProcesses
+from tests.runtime.test_fleet import ADMIN, REPO, Stack
+
+CHAT = "/v2/compat/v1/chat/completions"
+BODY = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+TIERS = """
+[tiers.guest]
+requests_per_minute = 100000
+families = ["chat"]
+models = { "*" = ["direct"] }
+
+[tiers.basic]
+requests_per_minute = {basic}
+families = ["chat"]
+models = { "*" = ["direct"] }
+
+[tiers.max]
+requests_per_minute = 100000
+families = ["chat"]
+models = { "*" = ["direct"] }
+"""
+PRICES = """
+version = "scale-out-v1"
+default_max_tokens = 100
+[default]
+prompt_per_1k_tokens = 1000
+completion_per_1k_tokens = 10000
+"""
+GATEWAYS = 3
+# Fresh connections per gateway when checking that every worker sees a change: the kernel
+# spreads them over the two workers, so all of them agreeing means both do.
+PROBES = 8
+
+Fail = Callable[[str], Awaitable[None]]  # kill the primary holding this key; wait for promotion
+
+
+def tiers(basic: int) -> str:
+    return TIERS.replace("{basic}", str(basic))
+
+
+async def admin(session: aiohttp.ClientSession, url: str, path: str, body: Any) -> Any:
+    async with session.post(url + path, json=body, headers=ADMIN) as response:
+        assert response.status in (200, 201), await response.text()
+        return await response.json()
+
+
+async def new_account(session: aiohttp.ClientSession, url: str, account: str, tier: str,
+                      credits: str) -> str:
+    key = (await admin(session, url, "/admin/keys", {"account": account, "tier": tier}))["key"]
+    await admin(session, url, f"/admin/accounts/{account}/credits", {"amount": credits})
+    return str(key)
+
+
+async def ask(url: str, key: str) -> tuple[int, dict[str, str]]:
+    """One chat request on a fresh connection (so each may land on either worker)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.post(url + CHAT, json=BODY, headers={"Authorization": f"Bearer {key}"}) as r:
+        await r.read()
+        return r.status, dict(r.headers)
+
+
+async def everywhere(urls: list[str], key: str, check: Callable[[int, dict[str, str]], bool]
+                     ) -> float:
+    """Seconds until PROBES fresh requests to every gateway all pass `check` (at most 10)."""
+    started = time.monotonic()
+    while True:
+        answers = await asyncio.gather(*(ask(url, key) for url in urls for _ in range(PROBES)))
+        if all(check(status, headers) for status, headers in answers):
+            return time.monotonic() - started
+        assert time.monotonic() - started < 10, Counter(s for s, _ in answers)
+        await asyncio.sleep(0.02)
+
+
+async def charges(ledger: Ledger, account: str) -> list[dict[str, Any]]:
+    return [e for e in await ledger.all_entries(account) if e.get("type") == "charge"]
+
+
+async def settled(ledger: Ledger, account: str) -> None:
+    """Every hold of the account ended: the gateways' settlers have flushed (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while (await ledger.balance(account)).held or await ledger.open_holds(account):
+        assert time.monotonic() < deadline, await ledger.open_holds(account)
+        await asyncio.sleep(0.1)
+
+
+async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: SimulatorFactory,
+                       stacks: list[Stack]) -> None:
+    sim = await simulator("vllm")
+    sim_url = str(sim.make_url("/")).rstrip("/")
+    gateways = [Stack(tmp_path / f"gateway{i}", [{"name": "sim", "kind": "vllm",
+                                                   "models": [MODEL], "url": sim_url}],
+                      workers=2, redis_url=store_url,
+                      policies={"tiers.toml": tiers(20), "prices.toml": PRICES},
+                      gateway_extra={"access_log": "off", "ledger_ack_replicas": 1})
+                for i in range(GATEWAYS)]
+    stacks.extend(gateways)
+    await asyncio.gather(*(asyncio.to_thread(g.ready, 60) for g in gateways))
+    urls = [g.url for g in gateways]
+    redis = connect_redis(store_url)
+    ledger = Ledger(redis)
+    try:
+        async with aiohttp.ClientSession() as session:
+            basic = await new_account(session, urls[0], "acct-basic", "basic", "1000")
+            shared = await new_account(session, urls[1], "acct-shared", "max", "0.002")
+            failover = await new_account(session, urls[2], "acct-failover", "max", "100000")
+
+        # The basic tier's limit, exact across three gateways x two workers.
+        statuses = Counter(status for status, _ in await asyncio.gather(
+            *(ask(urls[n % GATEWAYS], basic) for n in range(30))))
+        assert statuses == {200: 20, 429: 10}, statuses
+
+        # One balance, drawn on by all: holds stop it short of zero; nothing over-spent.
+        statuses = Counter(status for status, _ in await asyncio.gather(
+            *(ask(urls[n % GATEWAYS], shared) for n in range(60))))
+        assert statuses[200] + statuses[402] == 60 and statuses[402] > 0, statuses
+        await settled(ledger, "acct-shared")
+        balance = await ledger.balance("acct-shared")
+        assert balance.available >= 0 and balance.spent <= balance.credited, balance
+        assert len(await charges(ledger, "acct-shared")) == statuses[200]
+
+        # The account's primary dies mid-run; a replica takes over.
+        answered: Counter[int] = Counter()
+        stop = asyncio.Event()
+
+        async def client(n: int) -> None:
+            while not stop.is_set():
+                try:
+                    status, _ = await ask(urls[n % GATEWAYS], failover)
+                except aiohttp.ClientError:
+                    status = -1
+                answered[status] += 1
+                if status != 200:
+                    await asyncio.sleep(0.05)
+
+        clients = [asyncio.create_task(client(n)) for n in range(6)]
+        await asyncio.sleep(2.0)
+        before = answered[200]
+        killed_at = time.monotonic()
+        await fail(AccountKeys.of("acct-failover").balance)
+        promoted_s = time.monotonic() - killed_at
+        during = answered[200]
+        await asyncio.sleep(2.0)
+        stop.set()
+        await asyncio.gather(*clients)
+        print(f"\nfailover: promoted in {promoted_s:.1f} s; answers {dict(answered)}; "
+              f"200s before {before}, while failing over {during - before}, "
+              f"after {answered[200] - during}")
+        assert before > 0 and answered[200] > during, answered  # it served again afterwards
+        assert set(answered) <= {200, 503}, answered  # refused while failing over, never wrong
+        await settled(ledger, "acct-failover")
+        # Every answered request is exactly one charge: nothing settled was lost in failover.
+        assert len(await charges(ledger, "acct-failover")) == answered[200]
+        assert await ledger.reconcile(["acct-basic", "acct-shared", "acct-failover"]) == []
+
+        # A revocation asked of one gateway reaches every worker of every gateway.
+        revoke_key = await _key_id(urls[0], "acct-basic")
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as session, session.delete(
+                f"{urls[0]}/admin/keys/{revoke_key}", headers=ADMIN) as response:
+            assert response.status == 200, await response.text()
+        revoked_s = time.monotonic() - started + await everywhere(
+            urls, basic, lambda status, _: status == 401)
+
+        # So does a policy reload (each gateway's folder changed, as config management does).
+        async with aiohttp.ClientSession() as session:
+            reader = await new_account(session, urls[0], "acct-reader", "basic", "1000")
+        for gateway in gateways:
+            (gateway.folder / "policies" / "tiers.toml").write_text(tiers(25))
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            await admin(session, urls[1], "/admin/reload", {})
+        reloaded_s = time.monotonic() - started + await everywhere(
+            urls, reader, lambda _, headers: headers.get("X-RateLimit-Limit") == "25")
+        print(f"revocation everywhere in {revoked_s * 1000:.0f} ms, "
+              f"reload everywhere in {reloaded_s * 1000:.0f} ms")
+
+        # The operator's CLI speaks to the same store by its URL.
+        cli = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "proxy", "credits", "reconcile", "--config",
+                             str(gateways[0].folder)],
+            env={**os.environ, "GATEWAY_REDIS_URL": store_url}, capture_output=True, text=True,
+            cwd=REPO, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert "0 problem(s)" in cli.stdout and "MISMATCH" not in cli.stdout, cli.stdout
+    finally:
+        await ledger.close()
+        await redis.aclose()
+
+
+async def _key_id(url: str, account: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{url}/admin/accounts/{account}", headers=ADMIN) as response:
+        assert response.status == 200, await response.text()
+        return str((await response.json())["keys"][0]["id"])
+
+
+@pytest.mark.timeout(240)
+async def test_three_gateways_on_a_redis_cluster(tmp_path: Path, simulator: SimulatorFactory,
+                                                 stacks: list[Stack]) -> None:
+    with ClusterProcesses(tmp_path / "cluster") as cluster:
+        async def fail(key: str) -> None:
+            primary = await asyncio.to_thread(cluster.master_of, key)
+            cluster.kill(primary)
+            await asyncio.to_thread(cluster.wait_promoted, primary)
+
+        await run_scenario(tmp_path, cluster.url, fail, simulator, stacks)
+
+
+@pytest.mark.timeout(240)
+async def test_three_gateways_on_sentinel_failover(tmp_path: Path, simulator: SimulatorFactory,
+                                                   stacks: list[Stack]) -> None:
+    with SentinelProcesses(tmp_path / "sentinel") as sentinel:
+        async def fail(key: str) -> None:
+            old = sentinel.kill_master()
+            await asyncio.to_thread(sentinel.wait_failover, old)
+
+        await run_scenario(tmp_path, sentinel.url, fail, simulator, stacks)

@@ -1,0 +1,98 @@
+"""The store's URLs (one server, Cluster, Sentinel) and the lease that makes background work run
+once across the fleet. Real redis-server processes; the Cluster and Sentinel themselves are in
+test_scale_out.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from proxy.runtime.lease import Lease, lease_key
+from proxy.runtime.redis_process import RedisProcess
+from proxy.runtime.store import Primaries, connect_redis, store_kind
+from tests.conftest import free_port
+
+
+def test_store_kinds() -> None:
+    assert store_kind("redis://127.0.0.1:6379/0") == "single"
+    assert store_kind("unix:///run/redis.sock") == "single"
+    assert store_kind("redis+cluster://a:1,b:2") == "cluster"
+    assert store_kind("rediss+cluster://a:1") == "cluster"
+    assert store_kind("redis+sentinel://a:1,b:2/igw") == "sentinel"
+
+
+async def test_cluster_url_names_every_seed_node_and_credentials() -> None:
+    client = connect_redis("redis+cluster://user:s%40cret@10.0.0.1:7000,[::1]:7001")
+    try:
+        assert isinstance(client, RedisCluster)
+        seeds = {(n.host, int(n.port)) for n in client.nodes_manager.startup_nodes.values()}
+        assert seeds == {("10.0.0.1", 7000), ("::1", 7001)}
+        node = next(iter(client.nodes_manager.startup_nodes.values()))
+        assert node.connection_kwargs["password"] == "s@cret"
+        assert node.connection_kwargs["username"] == "user"
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("url", ["redis+cluster://nohost", "redis+cluster://a:b",
+                                 "redis+sentinel://127.0.0.1:26379"])
+def test_malformed_store_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        connect_redis(url)
+
+
+async def test_sentinel_url_asks_the_sentinels_for_the_primary() -> None:
+    """No Sentinel answers on the port: the client says the store is unreachable (a
+    connection error, which requests turn into 503), rather than hanging or crashing."""
+    client = connect_redis(f"redis+sentinel://127.0.0.1:{free_port()}/igw/2", timeout_s=0.5)
+    try:
+        assert isinstance(client, Redis)
+        assert Primaries(client).kind == "sentinel"
+        assert client.connection_pool.connection_kwargs["db"] == 2
+        with pytest.raises(RedisConnectionError):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def test_one_server_is_its_own_primary(clean_redis: RedisProcess) -> None:
+    client = connect_redis(clean_redis.url)
+    primaries = Primaries(client)
+    try:
+        assert primaries.kind == "single" and not primaries.failover
+        assert primaries.client_for("igw:{a}:bal") is client
+        assert primaries.client_for("igw:{b}:bal") is client
+    finally:
+        await primaries.close()
+        await client.aclose()
+
+
+async def test_one_lease_holder_at_a_time_and_it_passes_on(clean_redis: RedisProcess) -> None:
+    redis = connect_redis(clean_redis.url)
+    try:
+        first, second = Lease(redis, "sweeper"), Lease(redis, "sweeper")
+        assert await first.hold(ttl_s=0.3)
+        assert not await second.hold(ttl_s=0.3)
+        assert await first.hold(ttl_s=0.3)  # its holder renews it
+        held = await redis.get(lease_key("sweeper"))
+        assert held is not None and held.decode() == first.holder
+        await asyncio.sleep(0.4)  # the holder stopped renewing (it died): the lease lapses
+        assert await second.hold(ttl_s=0.3)
+        assert not await first.hold(ttl_s=0.3)
+        await first.release()  # not the holder: changes nothing
+        assert not await first.hold(ttl_s=0.3)
+        await second.release()  # at shutdown: the next asker need not wait out the expiry
+        assert await first.hold(ttl_s=0.3)
+    finally:
+        await redis.aclose()
+
+
+async def test_a_lease_is_not_held_while_the_store_is_down() -> None:
+    redis = connect_redis(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    try:
+        assert not await Lease(redis, "sweeper").hold(ttl_s=1)
+    finally:
+        await redis.aclose()

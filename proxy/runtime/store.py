@@ -79,6 +79,17 @@ class _Cluster(RedisCluster):
             raise RedisConnectionError("no Redis Cluster node reachable") from exc
 
 
+class _SentinelPrimary(Redis):
+    """The Sentinels' primary, whose aclose() also closes its connections to the Sentinels."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        pool = self.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            for sentinel in pool.sentinel_manager.sentinels:
+                await sentinel.aclose()
+
+
 def store_kind(url: str) -> str:
     """"cluster", "sentinel" or "single"."""
     scheme = url.split("://", 1)[0].lower()
@@ -141,7 +152,8 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
         hosts, sentinel_kwargs={**timeouts, **sentinel_auth, **tls}, **credentials, **tls,
         **timeouts, **_retry())
     db = int(path[1]) if len(path) > 1 else 0
-    primary: Redis = sentinel.master_for(path[0], db=db, max_connections=POOL_SIZE)
+    primary: Redis = sentinel.master_for(path[0], db=db, max_connections=POOL_SIZE,
+                                         redis_class=_SentinelPrimary)
     return primary
 
 

@@ -81,11 +81,16 @@ async def new_account(session: aiohttp.ClientSession, url: str, account: str, ti
     return str(key)
 
 
-async def ask(url: str, key: str) -> tuple[int, dict[str, str]]:
-    """One chat request on a fresh connection (so each may land on either worker)."""
+async def ask(url: str, key: str | None, *, stream: bool = False
+              ) -> tuple[int, dict[str, str]]:
+    """One chat request on a fresh connection (so each may land on either worker); a stream
+    counts as answered only when it ended with [DONE]."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
-            s.post(url + CHAT, json=BODY, headers={"Authorization": f"Bearer {key}"}) as r:
-        await r.read()
+            s.post(url + CHAT, json={**BODY, "stream": stream}, headers=headers) as r:
+        body = await r.read()
+        if stream and r.status == 200:
+            assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
         return r.status, dict(r.headers)
 
 
@@ -148,21 +153,24 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         assert balance.available >= 0 and balance.spent <= balance.credited, balance
         assert len(await charges(ledger, "acct-shared")) == statuses[200]
 
-        # The account's primary dies mid-run; a replica takes over.
+        # The account's primary dies mid-run; a replica takes over. Mixed load: streamed and
+        # whole answers on the account, and a guest (its window on the counters' slot).
         answered: Counter[int] = Counter()
+        guests: Counter[int] = Counter()
         stop = asyncio.Event()
 
-        async def client(n: int) -> None:
+        async def client(n: int, key: str | None, tally: Counter[int]) -> None:
             while not stop.is_set():
                 try:
-                    status, _ = await ask(urls[n % GATEWAYS], failover)
+                    status, _ = await ask(urls[n % GATEWAYS], key, stream=n % 2 == 1)
                 except aiohttp.ClientError:
                     status = -1
-                answered[status] += 1
+                tally[status] += 1
                 if status != 200:
                     await asyncio.sleep(0.05)
 
-        clients = [asyncio.create_task(client(n)) for n in range(6)]
+        clients = [asyncio.create_task(client(n, failover, answered)) for n in range(6)]
+        clients.append(asyncio.create_task(client(0, None, guests)))
         await asyncio.sleep(2.0)
         before = answered[200]
         killed_at = time.monotonic()
@@ -174,9 +182,10 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         await asyncio.gather(*clients)
         print(f"\nfailover: promoted in {promoted_s:.1f} s; answers {dict(answered)}; "
               f"200s before {before}, while failing over {during - before}, "
-              f"after {answered[200] - during}")
+              f"after {answered[200] - during}; guests {dict(guests)}")
         assert before > 0 and answered[200] > during, answered  # it served again afterwards
         assert set(answered) <= {200, 503}, answered  # refused while failing over, never wrong
+        assert guests[200] > 0 and set(guests) <= {200, 503}, guests
         await settled(ledger, "acct-failover")
         # Every answered request is exactly one charge: nothing settled was lost in failover.
         assert len(await charges(ledger, "acct-failover")) == answered[200]

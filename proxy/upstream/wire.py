@@ -63,7 +63,9 @@ def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int) -> by
         options = dict(out.get("stream_options") or {})
         options["include_usage"] = True
         out["stream_options"] = options
-    return orjson.dumps(out)
+    # A copy: orjson hands back its whole 4 KB working buffer, and this body is kept as long
+    # as the request runs (a stream's whole life); copied, a small body costs its own size.
+    return bytes(memoryview(orjson.dumps(out)))
 
 
 def fix_response(body: dict[str, Any], kind: str, model: str) -> dict[str, Any]:

@@ -37,7 +37,13 @@ from proxy.runtime.embedded_redis import RedisStartError, SupervisedRedis
 from proxy.runtime.fleet_state import RestartBackoff, signals_key
 from proxy.runtime.redis_process import RedisProcess
 from proxy.runtime.signal_scraper import SignalScraper
-from proxy.runtime.store import RATE_LIMIT_URL_ENV, connect_redis, rate_limit_redis_url
+from proxy.runtime.store import (
+    RATE_LIMIT_URL_ENV,
+    connect_redis,
+    rate_limit_redis_url,
+    store_kind,
+    url_problem,
+)
 from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_event
 
 log = logging.getLogger("proxy.runtime.master")
@@ -186,9 +192,14 @@ def serve(config: Config, *, host: str | None, port: int | None,
         print(f"cannot listen on {host}:{port}: {problem}", file=sys.stderr)
         return 1
     redis_url = os.environ.get("GATEWAY_REDIS_URL") or config.gateway.redis_url
+    for name, url in (("redis", redis_url), ("rate-limit redis", rate_limit_redis_url(config, ""))):
+        problem = url_problem(url) if url else None
+        if problem:
+            print(f"cannot use the {name} URL: {problem}", file=sys.stderr)
+            return 1
     embedded: list[SupervisedRedis] = []
     if redis_url:
-        where = "external"
+        where = f"external {store_kind(redis_url)}"
     else:  # started, watched and stopped (last) by the master
         ledger = RedisProcess(config.data_dir / "redis", fsync=config.gateway.ledger_fsync)
         embedded.append(SupervisedRedis("ledger", ledger))

@@ -157,6 +157,15 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
     return primary
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with a store URL, without connecting; None when it can be used."""
+    try:
+        connect_redis(url)  # builds the client only: nothing connects before a command
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def rate_limit_redis_url(config: Config, default: str) -> str:
     """Where rate-limit counters live: their own Redis if one is named, else `default`."""
     return os.environ.get(RATE_LIMIT_URL_ENV) or config.gateway.rate_limit_redis_url or default
@@ -226,4 +235,4 @@ class Primaries:
 
 __all__ = ["ACK_TIMEOUT_MS", "RATE_LIMIT_URL_ENV", "Primaries", "Store", "StoreBusy",
            "connect_redis", "listener_client", "node_client", "rate_limit_redis_url",
-           "store_kind"]
+           "store_kind", "url_problem"]

@@ -5,6 +5,10 @@ test_scale_out.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis, RedisCluster
@@ -12,8 +16,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.runtime.lease import Lease, lease_key
 from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.store import Primaries, connect_redis, store_kind
+from proxy.runtime.store import Primaries, connect_redis, store_kind, url_problem
 from tests.conftest import free_port
+from tests.runtime.test_fleet import REPO
 
 
 def test_store_kinds() -> None:
@@ -42,6 +47,18 @@ async def test_cluster_url_names_every_seed_node_and_credentials() -> None:
 def test_malformed_store_urls_are_refused(url: str) -> None:
     with pytest.raises(ValueError):
         connect_redis(url)
+
+
+def test_serve_refuses_a_malformed_store_url_before_starting_anything(tmp_path: Path) -> None:
+    (tmp_path / "backends.toml").write_text("")
+    env = {**os.environ, "GATEWAY_REDIS_URL": "redis+sentinel://127.0.0.1:26379"}
+    done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 1
+    assert "cannot use the redis URL: a redis+sentinel:// URL names the service" in done.stderr
+    assert not (tmp_path / ".gateway").exists()  # no embedded Redis, no worker was started
+    assert url_problem("redis+cluster://10.0.0.1:7000,10.0.0.2:7000") is None
+    assert url_problem("ftp://example") is not None
 
 
 async def test_sentinel_url_asks_the_sentinels_for_the_primary() -> None:

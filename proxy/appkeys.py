@@ -3,6 +3,8 @@ and for the values one request carries from step to step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -33,7 +35,7 @@ ADMITTER = web.AppKey("admitter", Admitter)
 LEDGER = web.AppKey("ledger", Ledger)
 SETTLER = web.AppKey("settler", Settler)  # settlements queued, flushed in batches
 COUNTERS: web.AppKey[Store] = web.AppKey("counters")  # the rate-limit counters' Redis (guests)
-OPENAPI = web.AppKey("openapi", bytes)
+OPENAPI: web.AppKey[Callable[[], bytes]] = web.AppKey("openapi")  # built at first use
 # Each route's style, by handler: the middleware renders even its own refusals in it.
 ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")
 DRAIN = web.AppKey("drain", Drain)

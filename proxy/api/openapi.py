@@ -394,7 +394,7 @@ async def document(request: web.Request) -> web.Response:
     tiers = tuple(sorted(set(policies.tiers.tiers) - {GUEST_TIER}))
     caps = policies.requests
     router = app[appkeys.ROUTER]
-    body = _live(app[appkeys.OPENAPI], tiers, tuple(router.chat_models),
+    body = _live(app[appkeys.OPENAPI](), tiers, tuple(router.chat_models),
                  tuple(router.models("tts")), tuple(router.models("asr")),
                  Limits(caps.tts.max_characters, caps.generation.max_images,
                         caps.generation.max_video_s),

@@ -24,7 +24,7 @@ from playwright.async_api import Browser, ConsoleMessage, Page, Request, async_p
 from redis.asyncio import Redis
 
 from proxy.api import dashboard
-from proxy.app import OPENAPI_DOCUMENT
+from proxy.app import openapi_document
 from proxy.appkeys import DRAIN
 from proxy.credits.ledger import Ledger
 from proxy.credits.pricing import format_credits
@@ -387,7 +387,7 @@ async def test_the_files_are_served_with_a_strict_policy(
                 assert response.headers["ETag"] == etag
         async with session.get(gw.make_url(path), headers={"If-None-Match": '"other"'}) as r:
             assert r.status == 200
-    documented = OPENAPI_DOCUMENT["paths"][path]["get"]["responses"]
+    documented = openapi_document()["paths"][path]["get"]["responses"]
     assert list(documented["200"]["content"]) == [content_type]
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from jsonschema import Draft202012Validator
 
-from proxy.app import OPENAPI_DOCUMENT, ROUTES
+from proxy.app import ROUTES, openapi_document
 from proxy.errors import ErrorKind, GatewayError, validation_failed
 from proxy.styles.anthropic import AnthropicStyle
 from proxy.styles.anthropic_schema import MessagesRequest
@@ -27,7 +27,7 @@ from proxy.styles.served_schema import ServedChatRequest
 from proxy.validate import RequestInvalid, validate_with
 from tests.styles.test_openai_schema import FIELD_DICTS, PROPERTY
 
-DOC = OPENAPI_DOCUMENT
+DOC = openapi_document()
 MODEL = "acme/small-chat"
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

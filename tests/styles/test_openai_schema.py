@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy import validate as validate_module
-from proxy.app import OPENAPI_DOCUMENT
+from proxy.app import openapi_document
 from proxy.styles.openai_schema import ChatRequest, validate_chat
 from proxy.validate import (
     MAX_ERRORS,
@@ -322,7 +322,7 @@ def test_generic_schema(payload: dict[str, Any], expected: list[dict[str, object
 
 
 def chat_document() -> dict[str, Any]:
-    return OPENAPI_DOCUMENT
+    return openapi_document()
 
 
 def test_openapi_document_is_valid_3_1() -> None:

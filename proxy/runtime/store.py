@@ -140,8 +140,7 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
     tls: dict[str, Any] = {"ssl": True} if parts.scheme.lower().startswith("rediss") else {}
     if kind == "cluster":
         return _Cluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts],
-                            max_connections=POOL_SIZE, **credentials, **tls, **timeouts,
-                            **_retry())
+                        max_connections=POOL_SIZE, **credentials, **tls, **timeouts, **_retry())
     path = [unquote(p) for p in parts.path.split("/") if p]
     if not path:
         raise ValueError("a redis+sentinel:// URL names the service: …/<service>[/<db>]")
@@ -149,8 +148,8 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
     sentinel_auth = {"password": query["sentinel_password"][0]} \
         if "sentinel_password" in query else {}
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        hosts, sentinel_kwargs={**timeouts, **sentinel_auth, **tls}, **credentials, **tls,
-        **timeouts, **_retry())
+        hosts, sentinel_kwargs={**timeouts, **sentinel_auth, **tls, **_retry()},
+        **credentials, **tls, **timeouts, **_retry())
     db = int(path[1]) if len(path) > 1 else 0
     primary: Redis = sentinel.master_for(path[0], db=db, max_connections=POOL_SIZE,
                                          redis_class=_SentinelPrimary)

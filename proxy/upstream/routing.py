@@ -5,9 +5,10 @@
             (as the master last read them) plus the requests this worker sent it since that read;
             P2C on this worker's counts where no fresh figures exist
     prefix  requests sharing a prefix (system prompt and first user turn, or `X-Session-Id`)
-            go to one replica by rendezvous hashing, the same in every worker and on every host,
-            so its prefix cache stays warm; a replica above (1 + load_bound) x the pool's mean
-            load is passed over for the next in rendezvous order (bounded-load hashing)
+            go to one replica by rendezvous hashing weighted by capacity (weight over measured
+            speed class), the same in every worker and on every host, so its prefix cache stays
+            warm; a replica above (1 + load_bound) x its share of the pool's load is passed
+            over for the next in rendezvous order (bounded-load hashing)
 
 The prefix is hashed (BLAKE2b, 16 bytes) as soon as it is read; nothing keeps the raw text.
 """
@@ -80,13 +81,16 @@ def prefix_key(body: Mapping[str, Any], session: str | None) -> bytes | None:
     return digest.digest()
 
 
-def rendezvous_order(key: bytes, replicas: Sequence[Replica]) -> list[Replica]:
+def rendezvous_order(key: bytes, replicas: Sequence[Replica],
+                     weights: Mapping[str, float] | None = None) -> list[Replica]:
     """Replicas by weighted rendezvous (highest random weight) for `key`: the same order
-    wherever it is computed, and removing a replica moves only the keys it had."""
+    wherever it is computed, and removing a replica moves only the keys it had. `weights` by
+    name (default: each replica's configured weight)."""
     def rank(replica: Replica) -> float:
         h = hashlib.blake2b(key + replica.name.encode(), digest_size=8).digest()
         u = (int.from_bytes(h, "big") + 1) / (2**64 + 1)  # in (0, 1)
-        return -replica.weight / math.log(u)
+        weight = weights[replica.name] if weights is not None else replica.weight
+        return -weight / math.log(u)
 
     return sorted(replicas, key=rank, reverse=True)
 
@@ -139,18 +143,38 @@ def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: floa
     return tied[0] if len(tied) == 1 else _p2c(tied, rng)
 
 
+def speed_classes(replicas: Sequence[Replica]) -> list[int]:
+    """How many times slower than the fastest each replica is, by measured time per request,
+    rounded to a whole number (1 for all until every one is measured). Coarse on purpose: a
+    prefix's owner changes only when a replica's speed changes class, not with every reading,
+    so caches are not churned."""
+    services = [r.service_s for r in replicas]
+    if not all(s is not None and s > 0 for s in services):
+        return [1] * len(replicas)
+    fastest = min(s or 0.0 for s in services)
+    return [max(1, round((s or 0.0) / fastest)) for s in services]
+
+
 def _bounded_rendezvous(replicas: Sequence[Replica], key: bytes, weights: Weights,
                         load_bound: float, now: float, rng: random.Random) -> Replica:
-    # Unscaled: the bound keeps a replica's prefixes on it while its queue is no longer than
-    # the others' (scaled by speed, a slow replica's keys spilled most of the time and thrashed
-    # the fast replicas' caches: loadtests.routing, 2026-11-25).
-    ahead = (_work_ahead(replicas, weights, now, scaled=False)
-             or [r.outstanding + 1.0 for r in replicas])
-    work = {r.name: a for r, a in zip(replicas, ahead, strict=True)}
-    # The bound per unit of weight, over every replica's work with this request on it; the
-    # least loaded replica is always within it, so the walk below always ends.
-    bound = (1 + load_bound) * sum(ahead) / sum(r.weight for r in replicas)
-    for replica in rendezvous_order(key, replicas):
-        if work[replica.name] / replica.weight <= bound:
+    # Unscaled loads: the bound keeps a replica's prefixes on it while its queue is within
+    # its share (scaled by speed as well, a slow replica's keys spilled most of the time and
+    # thrashed the fast replicas' caches: loadtests.routing, 2026-11-25).
+    ahead = _work_ahead(replicas, weights, now, scaled=False)
+    loads = [a - 1.0 for a in ahead] if ahead is not None else [
+        float(r.outstanding) for r in replicas]
+    # A replica owns prefixes, and may hold load, in proportion to its capacity: its weight
+    # over how many times slower it measures than the fastest.
+    capacity = {r.name: r.weight / c
+                for r, c in zip(replicas, speed_classes(replicas), strict=True)}
+    load = {r.name: x for r, x in zip(replicas, loads, strict=True)}
+    # Bounded-load hashing: a replica takes the request while its load with it stays within
+    # (1 + load_bound) x its share of the pool's load with it, rounded up (so an idle pool
+    # sends every key home).
+    total = sum(loads) + 1.0
+    share = sum(capacity.values())
+    for replica in rendezvous_order(key, replicas, capacity):
+        room = math.ceil((1 + load_bound) * total * capacity[replica.name] / share - 1e-9)
+        if load[replica.name] + 1.0 <= room:
             return replica
-    return _lowest_engine_load(replicas, weights, now, rng)  # not reached (see above)
+    return _lowest_engine_load(replicas, weights, now, rng)  # all over their room (rounding)

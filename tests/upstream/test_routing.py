@@ -186,3 +186,23 @@ def test_a_slow_replica_counts_its_queue_at_its_speed() -> None:
     # Without a measured speed for both, queues alone decide.
     slow.service_s = None
     assert {pool.pick().name for _ in range(5)} == {"slow"}
+
+
+def test_a_replica_measured_three_times_slower_owns_a_third_as_many_prefixes() -> None:
+    """Ownership by capacity: weight over speed class (how many times slower than the fastest,
+    rounded), the same in every worker once each has measured the speeds; in an idle pool every
+    key goes to its owner."""
+    pool = chat_pool("a", "b", "slow")
+    a, b, slow = pool.backends
+    keys = [prefix_key(turns(f"system prompt {i}", "hi"), None) for i in range(700)]
+    before = {k: pool.pick(key=k).name for k in keys}
+    assert min(Counter(before.values()).values()) > 180  # unmeasured: a third each
+    for backend, service in ((a, 0.5), (b, 0.55), (slow, 1.6)):  # classes 1, 1, 3
+        backend.service_s = service
+    after = {k: pool.pick(key=k).name for k in keys}
+    owners = Counter(after.values())
+    assert 70 <= owners["slow"] <= 130, owners  # about 1/7 of 700
+    # Only the slow replica's keys moved: the fast replicas' caches keep what they had.
+    assert all(after[k] == before[k] for k in keys if before[k] != "slow")
+    slow.service_s = 1.6 * 1.07  # a change within its class moves nothing
+    assert {k: pool.pick(key=k).name for k in keys} == after

@@ -1,9 +1,10 @@
 """How a pool chooses among its available replicas, on the engines' own signals. No I/O.
 
     p2c     two weighted random candidates, fewer requests in flight (this worker's) wins
-    engine  the lowest load score: the engine's waiting queue, running batch and KV-cache use
-            (as the master last read them) plus the requests this worker sent it since that read;
-            P2C on this worker's counts where no fresh figures exist
+    engine  of two weighted random candidates, the lower load score: the engine's waiting
+            queue, running batch and KV-cache use (as the master last read them) plus the
+            requests this worker sent it since that read; P2C on this worker's counts where no
+            fresh figures exist
     prefix  requests sharing a prefix (system prompt and first user turn, or `X-Session-Id`)
             go to one replica by rendezvous hashing weighted by capacity (weight over measured
             speed class), the same in every worker and on every host, so its prefix cache stays
@@ -137,10 +138,15 @@ def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: floa
     ahead = _work_ahead(replicas, weights, now)
     if ahead is None:
         return _p2c(replicas, rng)  # no fresh figures for some: this worker's counts for all
-    scored = [(work / r.weight, r) for work, r in zip(ahead, replicas, strict=True)]
-    best = min(score for score, _ in scored)
-    tied = [r for score, r in scored if score <= best + 1e-9]
-    return tied[0] if len(tied) == 1 else _p2c(tied, rng)
+    # Two candidates drawn by weight, the lower score wins: the best of all on figures up to
+    # a read old herds (every worker sends its requests to the same replica until the next
+    # read); two choices keep most of the gain without the herd (Mitzenmacher, "How useful is
+    # old information?").
+    score = {id(r): work / r.weight for work, r in zip(ahead, replicas, strict=True)}
+    [first] = rng.choices(replicas, weights=[r.weight for r in replicas])
+    others = [r for r in replicas if r is not first]
+    [second] = rng.choices(others, weights=[r.weight for r in others])
+    return first if score[id(first)] <= score[id(second)] else second
 
 
 def speed_classes(replicas: Sequence[Replica]) -> list[int]:

@@ -357,6 +357,27 @@ class ClusterProcesses:
     def replicas_of(self, master: RedisNode) -> list[RedisNode]:
         return [node for node in self.nodes if node.master_id == master.node_id]
 
+    def migrate_slot(self, key: str, target: RedisNode, *, pause_s: float = 0.0) -> int:
+        """Move `key`'s slot to `target` as `redis-cli --cluster reshard` does: IMPORTING on the
+        target, MIGRATING on the source, its keys MIGRATEd one at a time (`pause_s` apart, so
+        clients meet the slot half moved), then the new owner told to every master. Returns
+        how many keys moved."""
+        source = self.master_of(key)
+        slot = self.keyslot(key)
+        moved = 0
+        with target.client(timeout=5) as dst, source.client(timeout=5) as src:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1):
+                src.execute_command("MIGRATE", HOST, target.port, "", 0, 5000, "KEYS", *keys)
+                moved += len(keys)
+                time.sleep(pause_s)
+        for master in self.masters:
+            if master.alive:
+                with master.client(timeout=5) as client:
+                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target.node_id)
+        return moved
+
     def replica_of(self, master: RedisNode) -> RedisNode:
         replicas = self.replicas_of(master)
         if not replicas:

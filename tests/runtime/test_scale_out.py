@@ -8,6 +8,8 @@ by three Sentinels. Each shows, across all three gateways:
   answered 200 is one charge in the journal (no settled charge lost, none twice);
 - a revocation and a policy reload asked of one gateway reach every worker of every gateway
   (the time it takes is printed: `-s` shows it).
+
+And resharding: an account's slot moved to another primary under load loses no charge.
 """
 
 from __future__ import annotations
@@ -254,3 +256,57 @@ async def test_three_gateways_on_sentinel_failover(tmp_path: Path, simulator: Si
             await asyncio.to_thread(sentinel.wait_failover, old)
 
         await run_scenario(tmp_path, sentinel.url, fail, simulator, stacks)
+
+
+@pytest.mark.timeout(180)
+async def test_moving_an_accounts_slot_under_load_loses_no_charge(
+        tmp_path: Path, simulator: SimulatorFactory, stacks: list[Stack]) -> None:
+    """Resharding: the slot holding an account moves to another primary, key by key, while
+    requests on it run (clients meet it half moved: ASK, TRYAGAIN, then MOVED). Every answered
+    request is one charge, on the new primary, and the ledger reconciles."""
+    with ClusterProcesses(tmp_path / "cluster", replicas_per_master=0) as cluster:
+        sim = await simulator("vllm")
+        gateway = Stack(tmp_path / "gateway", [{"name": "sim", "kind": "vllm", "models": [MODEL],
+                                                "url": str(sim.make_url("/")).rstrip("/")}],
+                        workers=2, redis_url=cluster.url,
+                        policies={"tiers.toml": tiers(20), "prices.toml": PRICES},
+                        gateway_extra={"access_log": "off"})
+        stacks.append(gateway)
+        await asyncio.to_thread(gateway.ready, 60)
+        redis = connect_redis(cluster.url)
+        ledger = Ledger(redis)
+        try:
+            async with aiohttp.ClientSession() as session:
+                key = await new_account(session, gateway.url, "acct-moving", "max", "100000")
+            balance_key = AccountKeys.of("acct-moving").balance
+            source = await asyncio.to_thread(cluster.master_of, balance_key)
+            target = next(m for m in cluster.masters if m is not source)
+            answered: Counter[int] = Counter()
+            stop = asyncio.Event()
+
+            async def client(n: int) -> None:
+                while not stop.is_set():
+                    status, _ = await ask(gateway.url, key, stream=n % 2 == 1)
+                    answered[status] += 1
+                    if status != 200:
+                        await asyncio.sleep(0.05)
+
+            clients = [asyncio.create_task(client(n)) for n in range(4)]
+            await asyncio.sleep(1.0)
+            moved = await asyncio.to_thread(cluster.migrate_slot, balance_key, target,
+                                            pause_s=0.15)
+            during = answered[200]
+            await asyncio.sleep(1.5)
+            stop.set()
+            await asyncio.gather(*clients)
+            print(f"\nresharding: {moved} keys moved; answers {dict(answered)}")
+            assert moved >= 4  # balance, holds, journal, usage, ... (the account's keys)
+            assert await asyncio.to_thread(cluster.master_of, balance_key) is target
+            assert answered[200] > during  # served on the new primary afterwards
+            assert set(answered) <= {200, 503}, answered
+            await settled(ledger, "acct-moving")
+            assert len(await charges(ledger, "acct-moving")) == answered[200]
+            assert await ledger.reconcile(["acct-moving"]) == []
+        finally:
+            await ledger.close()
+            await redis.aclose()

@@ -169,11 +169,11 @@ class ScriptPipes:
     async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         delays = RESEND_DELAYS_S if self._primaries.failover else ()
         for delay in (*delays, None):
-            client = self._primaries.client_for(keys[0])
-            pipe = self._pipes.get(id(client))
-            if pipe is None:
-                pipe = self._pipes[id(client)] = ScriptPipe(client)
             try:
+                client = self._primaries.client_for(keys[0])  # none known mid-failover: raises
+                pipe = self._pipes.get(id(client))
+                if pipe is None:
+                    pipe = self._pipes[id(client)] = ScriptPipe(client)
                 return await pipe.call(script, keys, args)
             except _ELSEWHERE:
                 if delay is None:

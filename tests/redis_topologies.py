@@ -42,7 +42,25 @@ def redis_cli_binary() -> str:
     return str(Path(redis_server_binary()).with_name("redis-cli"))
 
 
-class RedisNode(RedisProcess):
+class _TcpNode(RedisProcess):
+    """A redis-server (data node or Sentinel) on 127.0.0.1:`port`."""
+
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def client(self, timeout: float = 1.0) -> redis.Redis:
+        """A sync client to this node alone (no cluster redirects); close it (`with`)."""
+        return _client(self.port, timeout)
+
+
+class RedisNode(_TcpNode):
     """One redis-server on 127.0.0.1:`port` with extra arguments (cluster or replica settings).
 
     `role` is "master" or "replica" as last seen by the topology that owns the node (a killed
@@ -63,24 +81,12 @@ class RedisNode(RedisProcess):
         # notice-level logs: failovers and elections show up in redis.log (later args win)
         return [*super().command(), "--loglevel", "notice", *self.extra_args]
 
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def client(self, timeout: float = 1.0) -> redis.Redis:
-        """A sync client to this node alone (no cluster redirects); close it (`with`)."""
-        return _client(self.port, timeout)
-
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
         return f"<{type(self).__name__} {self.address} {self.role} {state}>"
 
 
-class SentinelNode(RedisProcess):
+class SentinelNode(_TcpNode):
     """One `redis-server <conf> --sentinel`; the config file is its own (Sentinel rewrites it)."""
 
     def __init__(self, data_dir: Path, port: int, config_lines: Iterable[str]) -> None:
@@ -102,17 +108,6 @@ class SentinelNode(RedisProcess):
 
     def command(self) -> list[str]:
         return [redis_server_binary(), str(self.config_path), "--sentinel"]
-
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def client(self, timeout: float = 1.0) -> redis.Redis:
-        return _client(self.port, timeout)
 
     def __repr__(self) -> str:
         return f"<SentinelNode {self.address} {'alive' if self.alive else 'dead'}>"

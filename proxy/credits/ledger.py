@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 
 from proxy.ids import hex_id
-from proxy.runtime.store import ACK_TIMEOUT_MS, Primaries, Store
+from proxy.runtime.store import Primaries, Store, wait_for_replicas
 
 log = logging.getLogger("proxy.credits.ledger")
 
@@ -134,8 +134,7 @@ class Ledger:
         async with self.primaries.client_for(keys.balance).pipeline(transaction=False) as pipe:
             await self._credit(keys=[keys.balance, keys.journal, keys.ended],
                                args=[amount, orjson.dumps(details), hex_id()], client=pipe)
-            if self.ack_replicas:
-                pipe.execute_command("WAIT", self.ack_replicas, ACK_TIMEOUT_MS)
+            wait_for_replicas(pipe, self.ack_replicas)
             (ok, available), *acks = await pipe.execute()
         if acks and int(acks[0]) < self.ack_replicas:
             log.warning("a top-up of %s reached %s of %d replica(s) in time; a failover now "

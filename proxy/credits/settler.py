@@ -31,7 +31,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from proxy.credits.ledger import Arg
 from proxy.observe.metrics import Metrics
-from proxy.runtime.store import ACK_TIMEOUT_MS, Primaries
+from proxy.runtime.store import Primaries, wait_for_replicas
 
 log = logging.getLogger("proxy.settler")
 
@@ -159,8 +159,7 @@ class Settler:
         async with client.pipeline(transaction=False) as pipe:
             for write in writes:
                 write.queue(pipe)
-            if self._ack_replicas:
-                pipe.execute_command("WAIT", self._ack_replicas, ACK_TIMEOUT_MS)
+            wait_for_replicas(pipe, self._ack_replicas)
             replies: list[object] = await pipe.execute()
             return replies
 

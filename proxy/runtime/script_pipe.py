@@ -2,8 +2,9 @@
 
 Every request's admission is one EVALSHA. Through redis-py's client each costs ~60 µs of CPU
 (pool checkout, a timeout task per write, retry and encoding wrappers); here the command is
-packed by redis-py's own connection and written at once, and one reader task takes the replies
-in order (Redis answers a connection's commands in the order they came), ~20 µs. Calls made
+packed by `resp_command` and written on redis-py's connection at once, and one reader task
+takes the replies in order (Redis answers a connection's commands in the order they came),
+~20 µs. Calls made
 while others are in flight share the connection's round trips, as a pipeline would.
 
 A connection that fails (refused, reset, no reply within `REPLY_TIMEOUT_S`) fails every call in

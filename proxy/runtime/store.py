@@ -31,6 +31,7 @@ from redis.asyncio import (
     Sentinel,
     SentinelConnectionPool,
 )
+from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -156,6 +157,14 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
     return primary
 
 
+def wait_for_replicas(pipe: Pipeline, replicas: int) -> None:
+    """End `pipe` with a WAIT, so its writes are done only once `replicas` replicas have them
+    (at most ACK_TIMEOUT_MS). WAIT counts its own connection's writes: it must ride the same
+    pipeline; its reply (the replicas that confirmed) is the pipeline's last."""
+    if replicas:
+        pipe.execute_command("WAIT", replicas, ACK_TIMEOUT_MS)
+
+
 def url_problem(url: str) -> str | None:
     """What is wrong with a store URL, without connecting; None when it can be used."""
     try:
@@ -232,6 +241,6 @@ class Primaries:
         self._clients.clear()
 
 
-__all__ = ["ACK_TIMEOUT_MS", "RATE_LIMIT_URL_ENV", "Primaries", "Store", "StoreBusy",
+__all__ = ["RATE_LIMIT_URL_ENV", "Primaries", "Store", "StoreBusy",
            "connect_redis", "listener_client", "node_client", "rate_limit_redis_url",
-           "store_kind", "url_problem"]
+           "store_kind", "url_problem", "wait_for_replicas"]

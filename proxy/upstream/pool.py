@@ -231,10 +231,11 @@ class Pool:
         candidates = [b for b in self.backends if b.available and b is not exclude]
         if not candidates:
             raise self._none_available(exclude)
+        now = time.time()
         chosen = choose(self.pick_kind, candidates, key=key, weights=self.weights,
-                              load_bound=self.load_bound, now=time.time(), rng=rng or _RNG)
+                        load_bound=self.load_bound, now=now, rng=rng or _RNG)
         assert isinstance(chosen, Backend)
-        chosen.sent.append(time.time())
+        chosen.sent.append(now)
         return chosen
 
     def saturation(self, now: float) -> Saturation | None:

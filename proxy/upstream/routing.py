@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -108,45 +108,46 @@ def pick(kind: PickKind, replicas: Sequence[Replica], *, key: bytes | None, weig
     return _p2c(replicas, rng)
 
 
-def _p2c(replicas: Sequence[Replica], rng: random.Random) -> Replica:
-    """Two different candidates drawn by weight; the one with fewer requests in flight."""
+def _two_choices(replicas: Sequence[Replica], rng: random.Random,
+                 score: Callable[[Replica], float]) -> Replica:
+    """Two different candidates drawn by weight; the lower `score` wins."""
     [first] = rng.choices(replicas, weights=[r.weight for r in replicas])
     others = [r for r in replicas if r is not first]
     [second] = rng.choices(others, weights=[r.weight for r in others])
-    return first if first.local_score() <= second.local_score() else second
+    return first if score(first) <= score(second) else second
 
 
-def _work_ahead(replicas: Sequence[Replica], weights: Weights, now: float,
-                scaled: bool = True) -> list[float] | None:
-    """Each replica's engine load with this request on it; `scaled`: times how slow it is
-    against the others (its measured time per request over their mean) when all are measured,
-    since a slow replica with a short queue can be worse than a fast one with a longer queue.
-    None when some replica has no fresh figures."""
+def _p2c(replicas: Sequence[Replica], rng: random.Random) -> Replica:
+    """Of two candidates, the one with fewer of this worker's requests in flight."""
+    return _two_choices(replicas, rng, lambda r: r.local_score())
+
+
+def _engine_loads(replicas: Sequence[Replica], weights: Weights, now: float
+                  ) -> list[float] | None:
+    """Each replica's engine load score; None when some replica has no fresh figures."""
     loads = [r.engine_load(weights, now) for r in replicas]
-    if any(load is None for load in loads):
-        return None
-    ahead = [(load or 0.0) + 1.0 for load in loads]
-    services = [r.service_s for r in replicas]
-    if scaled and all(s is not None and s > 0 for s in services):
-        mean = sum(s or 0.0 for s in services) / len(services)
-        ahead = [a * (s or 0.0) / mean for a, s in zip(ahead, services, strict=True)]
-    return ahead
+    return None if any(load is None for load in loads) else [load or 0.0 for load in loads]
 
 
 def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: float,
                         rng: random.Random) -> Replica:
-    ahead = _work_ahead(replicas, weights, now)
-    if ahead is None:
+    loads = _engine_loads(replicas, weights, now)
+    if loads is None:
         return _p2c(replicas, rng)  # no fresh figures for some: this worker's counts for all
-    # Two candidates drawn by weight, the lower score wins: the best of all on figures up to
-    # a read old herds (every worker sends its requests to the same replica until the next
+    # Each replica's load with this request on it, times how slow it is against the others
+    # (its measured time per request over their mean) once all are measured: a slow replica
+    # with a short queue can be worse than a fast one with a longer queue.
+    ahead = [load + 1.0 for load in loads]
+    services = [r.service_s for r in replicas]
+    if all(s is not None and s > 0 for s in services):
+        mean = sum(s or 0.0 for s in services) / len(services)
+        ahead = [a * (s or 0.0) / mean for a, s in zip(ahead, services, strict=True)]
+    score = {id(r): work / r.weight for work, r in zip(ahead, replicas, strict=True)}
+    # Of two candidates rather than the lowest of all: the best of all on figures up to a
+    # read old herds (every worker sends its requests to the same replica until the next
     # read); two choices keep most of the gain without the herd (Mitzenmacher, "How useful is
     # old information?").
-    score = {id(r): work / r.weight for work, r in zip(ahead, replicas, strict=True)}
-    [first] = rng.choices(replicas, weights=[r.weight for r in replicas])
-    others = [r for r in replicas if r is not first]
-    [second] = rng.choices(others, weights=[r.weight for r in others])
-    return first if score[id(first)] <= score[id(second)] else second
+    return _two_choices(replicas, rng, lambda r: score[id(r)])
 
 
 def speed_classes(replicas: Sequence[Replica]) -> list[int]:
@@ -166,9 +167,7 @@ def _bounded_rendezvous(replicas: Sequence[Replica], key: bytes, weights: Weight
     # Unscaled loads: the bound keeps a replica's prefixes on it while its queue is within
     # its share (scaled by speed as well, a slow replica's keys spilled most of the time and
     # thrashed the fast replicas' caches: loadtests.routing, 2026-11-25).
-    ahead = _work_ahead(replicas, weights, now, scaled=False)
-    loads = [a - 1.0 for a in ahead] if ahead is not None else [
-        float(r.outstanding) for r in replicas]
+    loads = _engine_loads(replicas, weights, now) or [float(r.outstanding) for r in replicas]
     # A replica owns prefixes, and may hold load, in proportion to its capacity: its weight
     # over how many times slower it measures than the fastest.
     capacity = {r.name: r.weight / c

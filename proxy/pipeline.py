@@ -29,7 +29,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -64,7 +63,7 @@ from proxy.policy.tiers import check_access, check_queue_budget, completion_cap,
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.tasks.network import Agreed, agreed, choose_mode, record
 from proxy.tasks.submit import submit
-from proxy.upstream import wire
+from proxy.upstream import http1, wire
 from proxy.upstream.client import UpstreamFailure, read_answer
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.quorum import fingerprint
@@ -324,7 +323,7 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: 
     def body_for(backend: Backend) -> bytes:
         return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap)
 
-    async def relay(backend: Backend, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def relay(backend: Backend, upstream: http1.Response) -> web.StreamResponse:
         if not call.stream:
             return await _complete(request, style, call, backend, upstream, task_id, mode,
                                    reply_headers, result)
@@ -346,7 +345,7 @@ async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: 
 
 
 async def _complete(request: web.Request, style: ChatStyle, call: ChatCall, backend: Backend,
-                    upstream: aiohttp.ClientResponse, task_id: str, mode: str,
+                    upstream: http1.Response, task_id: str, mode: str,
                     reply_headers: dict[str, str], result: Result) -> web.Response:
     """A whole (non-streamed) answer, read, rendered in the style and sent."""
     body, usage = await _rendered(style, call, backend, upstream, task_id, mode)
@@ -367,7 +366,7 @@ async def complete_chat(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, po
 
 
 async def _rendered(style: ChatStyle, call: ChatCall, backend: Backend,
-                    upstream: aiohttp.ClientResponse, task_id: str, mode: str
+                    upstream: http1.Response, task_id: str, mode: str
                     ) -> tuple[bytes, dict[str, Any] | None]:
     completion = wire.fix_response(await _read_completion(upstream), backend.spec.kind,
                                    call.model)
@@ -436,7 +435,7 @@ async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
     headers = {"Content-Type": "application/json", "Accept": "application/json",
                "X-Request-Id": ctx.request_id}
 
-    async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> dict[str, Any]:
+    async def use(backend: Backend, upstream: http1.Response) -> dict[str, Any]:
         return wire.fix_response(await _read_completion(upstream), backend.spec.kind,
                                  call.model)
 
@@ -471,7 +470,7 @@ def _check_context(call: ChatCall, context: int | None) -> None:
         }])
 
 
-async def _read_completion(upstream: aiohttp.ClientResponse) -> dict[str, Any]:
+async def _read_completion(upstream: http1.Response) -> dict[str, Any]:
     raw = await read_answer(upstream, COMPLETION_MAX_BYTES)
     try:
         completion = orjson.loads(raw)

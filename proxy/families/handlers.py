@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -38,6 +37,7 @@ from proxy.http.body import Form, read_form, read_json
 from proxy.media.audio import NotAudio, probe
 from proxy.media.wav import SPEECH_RATE, BadAudio, to_speech_wav, wav_bytes
 from proxy.outcome import Outcome
+from proxy.upstream import http1
 from proxy.upstream.client import read_answer
 from proxy.upstream.fetch import PUBLIC_MESSAGE, FetchRefused
 from proxy.upstream.pool import Backend, Pool, Router
@@ -198,7 +198,7 @@ class SpeechSynthesis(Family):
         cap = app[LIVE].current.policies.requests.tts.max_audio_bytes
         limit = min(b.spec.max_input_chars for b in pool.backends)
 
-        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> bytes:
+        async def use(backend: Backend, upstream: http1.Response) -> bytes:
             return speech_wav(await read_answer(upstream, cap), upstream.headers)
 
         pieces = []
@@ -292,7 +292,7 @@ class SpeechRecognition(Family):
         headers = {"Content-Type": content_type, "Accept": "application/json",
                    "X-Request-Id": ctx.request_id}
 
-        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> Answer:
+        async def use(backend: Backend, upstream: http1.Response) -> Answer:
             raw = await read_answer(upstream, ANSWER_MAX_BYTES)
             try:
                 transcript = asr.read_transcript(orjson.loads(raw), req, info.duration_s)
@@ -388,7 +388,7 @@ class Generation(Family):
         headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
         cap = app[LIVE].current.policies.requests.generation.max_media_bytes
 
-        async def use(backend: Backend, upstream: aiohttp.ClientResponse) -> Answer:
+        async def use(backend: Backend, upstream: http1.Response) -> Answer:
             raw = await read_answer(upstream, cap)
             content_type = upstream.headers.get("Content-Type", "application/octet-stream")
             media = content_type.partition(";")[0].strip().lower()

@@ -1,4 +1,5 @@
-"""The pooled keep-alive HTTP client to upstream servers, its timeouts and failure mapping.
+"""Calls to upstream servers over the keep-alive client (proxy.upstream.http1), their timeouts
+and failure mapping.
 
 Timeouts are separate, as a streaming proxy needs: connect; first byte (headers and then the first
 body bytes: covers queueing and prefill); idle gap between body chunks once data flows. Failures
@@ -20,20 +21,19 @@ went away) count as neither.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-import aiohttp
 import orjson
 
 from proxy.config import UpstreamSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import current_backend
+from proxy.upstream import http1
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
 
 log = logging.getLogger("proxy.upstream")
@@ -60,27 +60,19 @@ class UpstreamFailure(GatewayError):
 
 
 class Upstreams:
-    """One ClientSession per worker process, shared by every backend (keep-alive pooling)."""
+    """The worker's keep-alive connections to every backend (proxy.upstream.http1)."""
 
     def __init__(self, settings: UpstreamSection, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
-            # The read timeout is first_byte until data flows, then idle (see `exchange`).
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=settings.connect_timeout_s,
-                sock_read=settings.first_byte_timeout_s,
-            ),
-            skip_auto_headers=("User-Agent",),
-            trust_env=False,
-            cookie_jar=aiohttp.DummyCookieJar(),  # upstream cookies are never ours to keep
-        )
-        self._open: set[aiohttp.ClientResponse] = set()  # responses whose body is being relayed
+        self.http = http1.Client(connect_timeout_s=settings.connect_timeout_s,
+                                 first_byte_timeout_s=settings.first_byte_timeout_s,
+                                 idle_timeout_s=settings.idle_timeout_s)
+        self._open: set[http1.Response] = set()  # responses whose body is being relayed
         self._aborting = False
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.http.close()
 
     def _failed(self, backend: Backend, kind: str) -> None:
         name = self.metrics.labels.backend(backend.name)
@@ -120,7 +112,7 @@ class Upstreams:
         body_for: Callable[[Backend], bytes],
         headers: Mapping[str, str],
         client_headers: Mapping[str, str],
-        use: Callable[[Backend, aiohttp.ClientResponse], Awaitable[T]],
+        use: Callable[[Backend, http1.Response], Awaitable[T]],
         key: bytes | None = None,
     ) -> T:
         """`exchange` with a backend picked from `pool`, its 2xx response given to `use`;
@@ -151,7 +143,7 @@ class Upstreams:
     @asynccontextmanager
     async def exchange(
         self, backend: Backend, path: str, body: bytes, headers: Mapping[str, str]
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    ) -> AsyncIterator[http1.Response]:
         """POST `body` to `backend`; yield a 2xx response whose body is still unread.
 
         The backend counts the request as outstanding until the block exits, and leaving the block
@@ -163,46 +155,13 @@ class Upstreams:
         try:
             current_backend(backend.name)
             sent_at = time.monotonic()
-            try:
-                response = await self.session.post(
-                    backend.url(path), data=_payload(body), headers=headers,
-                    allow_redirects=False,
-                )
-            except aiohttp.ClientConnectorError:
-                self._failed(backend, "unreachable")
-                raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
-                                      f"backend {backend.name!r} is unreachable",
-                                      retryable=True) from None
-            except (aiohttp.ServerTimeoutError, TimeoutError):
-                self._failed(backend, "timeout")
-                raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
-                                      f"backend {backend.name!r} did not answer in time",
-                                      retryable=False) from None
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                # Closed or reset before any response byte (a server going down mid-request):
-                # nothing reached the client, so another backend may answer it.
-                self._failed(backend, "disconnected")
-                raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
-                                      f"backend {backend.name!r} closed the connection",
-                                      retryable=True) from None
-            except aiohttp.ClientError:
-                self._failed(backend, "bad_response")
-                raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
-                                      f"backend {backend.name!r} sent an unusable response",
-                                      retryable=False) from None
+            response = await self._post(backend, path, body, headers)
             self.metrics.upstream_answered(name, time.monotonic() - sent_at)
             self._open.add(response)
             try:
                 if response.status >= 400:
                     self._record_status(backend, response.status)
                     raise await _failure_from(backend, response)
-                protocol = response.connection.protocol if response.connection else None
-                if protocol is not None:
-                    # From the next body chunk on, gaps are idle gaps. If body bytes came in the
-                    # same read as the headers, data is already flowing: restart the timer now.
-                    protocol.read_timeout = self.settings.idle_timeout_s
-                    if response.content.total_bytes:
-                        protocol.start_timeout()
                 try:
                     yield response
                 except GatewayError as exc:
@@ -211,7 +170,7 @@ class Upstreams:
                     raise
                 if self._aborting:
                     pass  # cut by our own drain: says nothing about the backend
-                elif response.content.exception() is not None:
+                elif response.broken is not None:
                     self._failed(backend, "stream_broken")  # the stream broke off or went silent
                 else:
                     backend.record_success()
@@ -226,16 +185,39 @@ class Upstreams:
             backend.outstanding -= 1
             self.metrics.upstream_ended(name)
 
+    async def _post(self, backend: Backend, path: str, body: bytes,
+                    headers: Mapping[str, str]) -> http1.Response:
+        """The request sent and its answer's head read; failures mapped and recorded."""
+        try:
+            return await self.http.post(backend.target(path), body, headers)
+        except http1.ConnectFailed:
+            self._failed(backend, "unreachable")
+            raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
+                                  f"backend {backend.name!r} is unreachable",
+                                  retryable=True) from None
+        except TimeoutError:  # connect or first byte
+            self._failed(backend, "timeout")
+            raise UpstreamFailure(ErrorKind.UPSTREAM_TIMEOUT,
+                                  f"backend {backend.name!r} did not answer in time",
+                                  retryable=False) from None
+        except http1.Disconnected:
+            # Closed or reset before any response byte (a server going down mid-request):
+            # nothing reached the client, so another backend may answer it.
+            self._failed(backend, "disconnected")
+            raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
+                                  f"backend {backend.name!r} closed the connection",
+                                  retryable=True) from None
+        except http1.BadResponse:
+            self._failed(backend, "bad_response")
+            raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR,
+                                  f"backend {backend.name!r} sent an unusable response",
+                                  retryable=False) from None
+        except http1.BadHeader:
+            raise GatewayError(ErrorKind.INVALID_REQUEST,
+                               "header values must not contain line breaks") from None
 
-_LARGE_BODY = 1024 * 1024  # aiohttp writes bigger raw bytes in one go, blocking the loop
 
-
-def _payload(body: bytes) -> bytes | io.BytesIO:
-    """A body as aiohttp should send it: a big one (an audio upload) in chunks."""
-    return io.BytesIO(body) if len(body) > _LARGE_BODY else body
-
-
-async def read_answer(upstream: aiohttp.ClientResponse, cap: int) -> bytes:
+async def read_answer(upstream: http1.Response, cap: int) -> bytes:
     """A whole (non-streamed) answer, at most `cap` bytes; failures mapped: a timeout is 504, a
     broken-off body may be retried on another backend (nothing reached the client), an answer
     over the cap is unusable."""
@@ -244,27 +226,27 @@ async def read_answer(upstream: aiohttp.ClientResponse, cap: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     try:
-        while chunk := await upstream.content.readany():
+        while chunk := await upstream.read_chunk():
             size += len(chunk)
             if size > cap:
                 raise GatewayError(ErrorKind.UPSTREAM_ERROR,
                                    "the model server's answer is too large")
             parts.append(chunk)
-    except (aiohttp.ServerTimeoutError, TimeoutError):
+    except TimeoutError:
         raise GatewayError(ErrorKind.UPSTREAM_TIMEOUT, "the model server did not finish in time")\
             from None
-    except aiohttp.ClientError:
+    except (http1.Disconnected, http1.BadResponse):
         raise UpstreamFailure(ErrorKind.UPSTREAM_ERROR, "the model server broke off its answer",
                               retryable=True) from None
     return b"".join(parts)
 
 
-async def _failure_from(backend: Backend, response: aiohttp.ClientResponse) -> UpstreamFailure:
+async def _failure_from(backend: Backend, response: http1.Response) -> UpstreamFailure:
     """Map an upstream error status to ours; keep the upstream's message only for client faults."""
     status = response.status
     try:
-        raw = await asyncio.wait_for(response.content.read(_ERROR_BODY_LIMIT), 5)
-    except (aiohttp.ClientError, TimeoutError):
+        raw = await asyncio.wait_for(response.read(_ERROR_BODY_LIMIT), 5)
+    except (http1.Disconnected, http1.BadResponse, TimeoutError):
         raw = b""
     name = backend.name
     if status in (400, 413, 422):

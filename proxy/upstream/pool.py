@@ -30,14 +30,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from yarl import URL
-
 from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection, Mode, RoutingSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
 from proxy.policy.tiers import FAMILY_NAMES
 from proxy.runtime.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
+from proxy.upstream.http1 import Target
 from proxy.upstream.routing import PickKind, Weights
 from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
@@ -68,7 +67,7 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("_urls", "auth", "base_url", "completion_rate", "forward", "health",
+    __slots__ = ("_targets", "auth", "base_url", "completion_rate", "forward", "health",
                  "max_ejected_ratio", "max_model_len", "name", "outstanding", "peers", "probed",
                  "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
 
@@ -77,7 +76,7 @@ class Backend:
         self.spec = spec
         self.name = spec.name
         self.base_url = spec.url.rstrip("/")
-        self._urls: dict[str, URL] = {}
+        self._targets: dict[str, Target] = {}
         self.forward = HeaderRule(spec.forward_headers)
         key = os.environ.get(spec.api_key_env, "") if spec.api_key_env else ""
         self.auth = {"authorization": f"Bearer {key}"} if key else {}
@@ -110,12 +109,12 @@ class Backend:
         if self.wake is not None:
             self.wake()
 
-    def url(self, path: str) -> URL:
-        """The backend's URL for `path`, built once (yarl parsing is not free per request)."""
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = URL(self.base_url + path, encoded=True)
-        return url
+    def target(self, path: str) -> Target:
+        """Where a request for `path` goes, parsed once (URL parsing is not free per request)."""
+        target = self._targets.get(path)
+        if target is None:
+            target = self._targets[path] = Target.of(self.base_url + path)
+        return target
 
     @property
     def fresh_verified(self) -> bool:

@@ -26,6 +26,7 @@ from proxy.http.sse import DONE, Event, SSEDecoder
 from proxy.observe.trace import TRACE
 from proxy.outcome import Outcome
 from proxy.styles.base import StreamEncoder
+from proxy.upstream import http1
 from proxy.upstream.client import UpstreamFailure
 from proxy.upstream.pool import RETRY_AFTER_S
 from proxy.upstream.wire import ChunkFilter, UpstreamStreamError
@@ -43,7 +44,7 @@ class StreamResult:
 
 async def relay_stream(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: http1.Response,
     chunks: ChunkFilter,
     encoder: StreamEncoder,
     headers: Mapping[str, str],
@@ -75,7 +76,7 @@ async def relay_stream(
     try:
         done = False
         async with deadline:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 done = take(decoder.feed(chunk))
                 if pending:
                     await _send(request, response, b"".join(pending), capture)
@@ -94,12 +95,12 @@ async def relay_stream(
         if exc.reported and not exc.busy:
             # The upstream failed though its stream ended cleanly: mark its body so that the
             # exchange counts a failure (and has the backend probed) rather than a success.
-            upstream.content.set_exception(UpstreamStreamError(exc.message))
-    except (aiohttp.ServerTimeoutError, TimeoutError):
+            upstream.mark_broken(UpstreamStreamError(exc.message))
+    except TimeoutError:  # the stream's own deadline, or the upstream's idle gap
         result = _failed(Outcome.TIMEOUT, ErrorKind.UPSTREAM_TIMEOUT,
                          "the stream ran longer than this gateway allows" if deadline.expired()
                          else "the model server stopped sending before the stream finished")
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+    except (http1.Disconnected, http1.BadResponse):
         result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
                          "the model server closed the stream before it finished")
 

@@ -5,12 +5,21 @@ timeouts, broken and foreign answers, and what it writes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import gzip
+import ipaddress
 import socket
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from proxy.upstream import http1
 
@@ -367,3 +376,56 @@ async def test_a_body_that_does_not_decompress(http: http1.Client) -> None:
         response = await post(http, server.url)
         with pytest.raises(http1.BadResponse):
             await response.read(100)
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 that is its own CA, and its key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test backend")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+async def test_https_backends_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """TLS to an https:// backend, its certificate checked against the trusted CAs (here, by
+    SSL_CERT_FILE, as an operator would add theirs); an untrusted one is refused."""
+    cert_file, key_file = _self_signed(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(OK)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+    try:
+        untrusting = client()
+        with pytest.raises(http1.ConnectFailed):
+            await post(untrusting, url)
+        await untrusting.close()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert_file))
+        trusting = client()
+        response = await post(trusting, url)
+        assert response.status == 200 and await response.read(10) == b"{}"
+        response.release()
+        await trusting.close()
+    finally:
+        server.close()

@@ -294,16 +294,13 @@ def _keep_or_release(request: web.Request, claim: idempotency.Claim, result: Res
     back (nothing was charged, so a retry runs for real)."""
     settler = request.app[SETTLER]
     if response is None or result.status != Outcome.COMPLETED:
-        settler.add(claim.key, claim.release)
+        settler.add(claim.key, claim.release())
     elif isinstance(response, web.Response) and isinstance(response.body, bytes):
-        body, content_type = response.body, response.content_type
-        settler.add(claim.key,
-                    lambda pipe: claim.store(pipe, response.status, content_type, body))
+        settler.add(claim.key, claim.store(response.status, response.content_type,
+                                           response.body))
     else:
-        captured = b"".join(result.captured or ())
-        content_type = response.headers["Content-Type"]
-        settler.add(claim.key,
-                    lambda pipe: claim.store(pipe, response.status, content_type, captured))
+        settler.add(claim.key, claim.store(response.status, response.headers["Content-Type"],
+                                           b"".join(result.captured or ())))
 
 
 async def _forward(request: web.Request, style: ChatStyle, call: ChatCall, cap: int, pool: Pool,

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
-from redis.asyncio.client import Pipeline
 
 from proxy.errors import ErrorKind, GatewayError
 from proxy.ids import hex_id
@@ -72,17 +71,18 @@ class Claim:
         raise GatewayError(ErrorKind.CONFLICT, "a request with this Idempotency-Key is still "
                            "running; retry when it has finished", headers={"Retry-After": "1"})
 
-    def store(self, pipe: Pipeline, status: int, content_type: str, body: bytes) -> None:
-        """Keep the result for retries (queued after the settlement); too large: give back."""
+    def store(self, status: int, content_type: str, body: bytes) -> tuple[str | bytes | int, ...]:
+        """The command that keeps the result for retries (queued after the settlement); too
+        large to keep: the one that gives the key back."""
         if len(body) > MAX_STORED_BYTES:
-            self.release(pipe)
-            return
+            return self.release()
         record = {"fingerprint": self.fingerprint, "status": status,
                   "content_type": content_type}
-        pipe.set(self.key, orjson.dumps(record) + b"\n" + body, ex=TTL_S)
+        return ("SET", self.key, orjson.dumps(record) + b"\n" + body, "EX", TTL_S)
 
-    def release(self, pipe: Pipeline) -> None:
-        pipe.delete(self.key)
+    def release(self) -> tuple[str, ...]:
+        """The command that gives the key back (a retry then runs for real)."""
+        return ("DEL", self.key)
 
 
 def claim_for(account: str, route: str, headers: Mapping[str, str], raw: bytes) -> Claim | None:

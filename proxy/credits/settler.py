@@ -1,7 +1,9 @@
 """Writes that follow a request (settlements, idempotent results), batched per worker.
 
-A request queues its writes and is done: no task, no await, so a cancelled request still
-settles. One background task flushes whatever has queued as one pipeline, at most every
+A request queues its writes (each one Redis command) and is done: no task, no await, so a
+cancelled request still settles. One background task flushes whatever has queued as one
+pipeline (packed by hand on a connection of its own per primary, proxy.runtime.script_pipe:
+redis-py's pipeline cost ~30 µs of CPU per settlement), at most every
 `FLUSH_INTERVAL_S`: one round trip and, with `appendfsync always`, one fsync shared by every
 request that finished meanwhile. Redis fsyncs on its main thread, so every admission waits out an
 fsync in progress; fewer, larger batches keep those stalls rare. A batch
@@ -21,25 +23,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.credits.ledger import Arg
 from proxy.observe.metrics import Metrics
-from proxy.runtime.store import Primaries, wait_for_replicas
+from proxy.runtime.script_pipe import ScriptPipes
+from proxy.runtime.store import ACK_TIMEOUT_MS, Primaries
 
 log = logging.getLogger("proxy.settler")
+
+
+Command = tuple[Arg, ...]  # one Redis command and its arguments, as sent
 
 
 @dataclass(frozen=True, slots=True)
 class Write:
     key: str  # the key it writes (all its keys share this one's slot)
-    queue: Callable[[Pipeline], object]  # adds the command(s) to a pipeline
+    command: Command
 
 # ~16 s in all: a Redis restart fits, and a Cluster's or Sentinel's failover (a few seconds).
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -54,6 +59,7 @@ class Settler:
         self._ack_replicas = ack_replicas
         self._scripts = tuple(scripts)
         self._metrics = metrics
+        self._pipes = ScriptPipes(primaries)  # one connection per primary, packed by hand
         self._queue: list[Write] = []
         self._flushing = 0
         self._wake = asyncio.Event()
@@ -65,17 +71,17 @@ class Settler:
         """Writes queued or being flushed."""
         return len(self._queue) + self._flushing
 
-    def add(self, key: str, queue: Callable[[Pipeline], object]) -> None:
-        """Queue a write to `key` (and keys in its slot): `queue` adds it to a pipeline."""
+    def add(self, key: str, command: Command) -> None:
+        """Queue a write to `key` (and keys in its slot)."""
         if len(self._queue) >= MAX_QUEUED:
             self._queue.pop(0)
             self._lose(1)
-        self._queue.append(Write(key, queue))
+        self._queue.append(Write(key, command))
         self._wake.set()
 
     def settle(self, script: AsyncScript, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Queue one call of a registered script."""
-        self.add(keys[0], lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))
+        self.add(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args))
 
     async def run(self) -> None:
         """Flush forever (the app's cleanup cancels it, then calls `drain`)."""
@@ -98,13 +104,14 @@ class Settler:
             self._flushing = 0
 
     async def drain(self, timeout_s: float) -> None:
-        """At shutdown: flush what is left, within `timeout_s`."""
+        """At shutdown: flush what is left, within `timeout_s`, then close the connections."""
         try:
             async with asyncio.timeout(timeout_s):
                 while self._queue:
                     await self.flush()
         except TimeoutError:
             self._lose(len(self._queue))
+        await self._pipes.close()
 
     async def _write(self, batch: list[Write]) -> None:
         for attempt, delay in enumerate((0.0, *RETRY_DELAYS_S)):
@@ -156,12 +163,10 @@ class Settler:
         return None
 
     async def _pipeline(self, client: Redis, writes: list[Write]) -> list[object]:
-        async with client.pipeline(transaction=False) as pipe:
-            for write in writes:
-                write.queue(pipe)
-            wait_for_replicas(pipe, self._ack_replicas)
-            replies: list[object] = await pipe.execute()
-            return replies
+        commands = [write.command for write in writes]
+        if self._ack_replicas:  # on the same connection: WAIT counts that connection's writes
+            commands.append(("WAIT", self._ack_replicas, ACK_TIMEOUT_MS))
+        return await self._pipes.pipe(client).pipeline(commands)
 
     async def _load_scripts(self, client: Redis) -> None:
         try:

@@ -1,16 +1,16 @@
 """Hot-path script calls over one connection, pipelined as they come.
 
-Every request's admission is one EVALSHA. Through redis-py's client each costs ~60 µs of CPU
-(pool checkout, a timeout task per write, retry and encoding wrappers); here the command is
-packed by `resp_command` and written on redis-py's connection at once, and one reader task
-takes the replies in order (Redis answers a connection's commands in the order they came),
-~20 µs. Calls made
-while others are in flight share the connection's round trips, as a pipeline would.
+Every request's admission is one EVALSHA (`call`); the settler's batches are one write of many
+commands (`pipeline`). Through redis-py's client each call costs ~60 µs of CPU (pool checkout,
+a timeout task per write, retry and encoding wrappers); here the command is packed by
+`resp_command` and written on redis-py's connection at once, and one reader task takes the
+replies in order (Redis answers a connection's commands in the order they came), ~20 µs. Calls
+made while others are in flight share the connection's round trips, as a pipeline would.
 
-A connection that fails (refused, reset, no reply within `REPLY_TIMEOUT_S`) fails every call in
-flight on it with the error, and the next call connects afresh: callers treat that as the store
-being unreachable. A caller that is cancelled while waiting does not stop its command: whoever
-cancels must assume it ran (see `ChatMeter` and its stages).
+A connection that fails (refused, reset, no reply or handshake within `REPLY_TIMEOUT_S`) fails
+every call in flight on it with the error, and the next call connects afresh: callers treat
+that as the store being unreachable. A caller that is cancelled while waiting does not stop its
+command: whoever cancels must assume it ran (see `ChatMeter` and its stages).
 
 `ScriptPipes` keeps one pipe per primary (runtime.store.Primaries) and sends each call to the one
 holding its first key. With a Cluster or Sentinels, a call that meets a moved slot or a lost
@@ -86,24 +86,44 @@ class ScriptPipe:
 
     async def _evalsha(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
                        ) -> Any:
+        (future,) = await self._send([(b"EVALSHA", script.sha, len(keys), *keys, *args)])
+        return await future
+
+    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Several commands in one write, their replies in order; an error reply raises (the
+        first one), as redis-py's pipelines do, once every reply is in."""
+        replies = await asyncio.gather(*await self._send(commands), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies
+
+    async def _send(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[Any]]:
+        """Write `commands` at once; a future for each one's reply."""
         conn = self._conn if self._conn is not None else await self._connect()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        packed = resp_command((b"EVALSHA", script.sha, len(keys), *keys, *args))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
+        packed = b"".join(resp_command(command) for command in commands)
         # Queued before the write, with no await in between: replies pair with calls in order.
-        self._waiting.append(future)
+        self._waiting.extend(futures)
         if self._reader is None:
             self._reader = asyncio.create_task(self._read(conn))
         try:
             await conn.send_packed_command(packed, check_health=False)
         except RedisError as exc:
             self._fail(conn, exc)
-        return await future
+        return futures
 
     async def _connect(self) -> AbstractConnection:
         async with self._connecting:
             if self._conn is None:
                 conn = self._make()
-                await conn.connect()  # type: ignore[no-untyped-call]
+                try:  # the handshake is a reply like any other: bounded alike
+                    async with asyncio.timeout(REPLY_TIMEOUT_S):
+                        await conn.connect()  # type: ignore[no-untyped-call]
+                except TimeoutError:
+                    await conn.disconnect(nowait=True)
+                    raise RedisTimeoutError("no answer from Redis while connecting") from None
                 self._conn = conn
             return self._conn
 
@@ -167,15 +187,19 @@ class ScriptPipes:
         self._primaries = primaries
         self._pipes: dict[int, ScriptPipe] = {}  # by the primary's client
 
+    def pipe(self, client: Redis) -> ScriptPipe:
+        """The pipe to the primary `client` speaks to (made on first use)."""
+        pipe = self._pipes.get(id(client))
+        if pipe is None:
+            pipe = self._pipes[id(client)] = ScriptPipe(client)
+        return pipe
+
     async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         delays = RESEND_DELAYS_S if self._primaries.failover else ()
         for delay in (*delays, None):
             try:
                 client = self._primaries.client_for(keys[0])  # none known mid-failover: raises
-                pipe = self._pipes.get(id(client))
-                if pipe is None:
-                    pipe = self._pipes[id(client)] = ScriptPipe(client)
-                return await pipe.call(script, keys, args)
+                return await self.pipe(client).call(script, keys, args)
             except _ELSEWHERE:
                 if delay is None:
                     raise

@@ -19,6 +19,7 @@ from proxy.credits.ledger import AccountKeys, Ledger, lua_script, settle_call
 from proxy.credits.settler import Settler
 from proxy.observe.metrics import Labels, Metrics
 from proxy.runtime.redis_process import RedisProcess
+from proxy.runtime.script_pipe import REPLY_TIMEOUT_S
 from tests.conftest import (
     MODEL,
     GatewayFactory,
@@ -334,9 +335,11 @@ async def test_a_failed_settlement_is_retried_until_redis_answers(
         settler = Settler(ledger.primaries, [ledger.settle_script], metrics)
         keys, args = settle_call("acme", hold, 40, 100, "completed", MODEL,
                                  {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0)
-        await admin.execute_command("CLIENT", "PAUSE", "400")  # Redis stops answering a while
+        # Redis stops answering for longer than the settler waits for a reply.
+        await admin.execute_command("CLIENT", "PAUSE", str(int(REPLY_TIMEOUT_S * 1000) + 500))
         settler.settle(ledger.settle_script, keys, args)
         await settler.flush()  # times out, backs off, retries until it lands
+        await settler.drain(1)
         assert settler.lost == 0
         # Each failed attempt is an operator-visible Redis error; nothing was lost.
         errors = metrics.registry.get_sample_value("igw_redis_errors_total",

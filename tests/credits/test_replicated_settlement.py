@@ -67,5 +67,6 @@ async def test_settlements_wait_for_a_replica_and_count_when_none_confirms(
         assert (await ledger.balance("acme")).spent == 70
         assert await ledger.reconcile(["acme"]) == []
     finally:
+        await settler.drain(1)
         await ledger.close()
         await redis.aclose()

@@ -1,12 +1,18 @@
-"""Admission's own command packer writes exactly what redis-py's does (pure, no server)."""
+"""Admission's own command packer writes exactly what redis-py's does (pure, no server); the
+pipe's batches and its bounded handshake against a real redis-server."""
 
 from __future__ import annotations
 
-import pytest
-from redis.asyncio.connection import Connection
-from redis.exceptions import DataError
+import asyncio
 
-from proxy.runtime.script_pipe import resp_command
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+from redis.exceptions import DataError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from proxy.runtime.redis_process import RedisProcess
+from proxy.runtime.script_pipe import REPLY_TIMEOUT_S, ScriptPipe, resp_command
 
 
 @pytest.mark.parametrize("args", [
@@ -22,3 +28,40 @@ def test_packs_as_redis_py_does(args: tuple[object, ...]) -> None:
 def test_refuses_what_redis_py_refuses(bad: object) -> None:
     with pytest.raises(DataError):
         resp_command(("EVALSHA", "a" * 40, 0, bad))
+
+
+async def test_a_pipeline_answers_in_order_and_raises_its_first_error(
+        clean_redis: RedisProcess) -> None:
+    """The settler's batches: every command runs (an error reply does not stop the rest), the
+    replies come back in order, and an error reply is raised once all are in."""
+    redis = Redis.from_url(clean_redis.url)
+    pipe = ScriptPipe(redis)
+    try:
+        assert await pipe.pipeline([("SET", "a", 1), ("INCR", "a"), ("GET", "a")]) == \
+            [b"OK", 2, b"2"]
+        with pytest.raises(ResponseError):
+            await pipe.pipeline([("SET", "b", "x"), ("INCR", "b"), ("SET", "c", 3)])
+        assert await redis.get("c") == b"3"  # after the failing one, still run
+        assert await pipe.pipeline([("DEL", "a", "b", "c")]) == [3]  # the connection is fine
+    finally:
+        await pipe.close()
+        await redis.aclose()
+
+
+async def test_a_handshake_that_never_ends_is_bounded(clean_redis: RedisProcess) -> None:
+    """A Redis that accepts but does not answer: the connect fails in REPLY_TIMEOUT_S, not
+    never (admission answers 503 instead of hanging)."""
+    admin = Redis.from_url(clean_redis.url)
+    redis = Redis.from_url(clean_redis.url)
+    pipe = ScriptPipe(redis)
+    try:
+        await admin.execute_command("CLIENT", "PAUSE", str(int(REPLY_TIMEOUT_S * 1000) + 1000))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(RedisTimeoutError):
+            await pipe.pipeline([("PING",)])
+        assert asyncio.get_running_loop().time() - started < REPLY_TIMEOUT_S + 0.5
+    finally:
+        await pipe.close()
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await redis.aclose()
+        await admin.aclose()

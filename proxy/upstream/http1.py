@@ -280,7 +280,6 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._busy = False  # an exchange is in flight (a request sent, its answer not ended)
         self._raw_headers: list[tuple[str, str]] = []
-        self._status = 0
         self._response: Response | None = None
         self._body: collections.deque[bytes] = collections.deque()
         self._buffered = 0  # bytes in _body
@@ -427,7 +426,6 @@ class _Connection(asyncio.Protocol):
         headers = CIMultiDictProxy(CIMultiDict(self._raw_headers))
         encoding = headers.get("Transfer-Encoding", "").lower()
         self._framed = "chunked" in encoding or "Content-Length" in headers
-        self._status = status
         self._response = Response(self, status, headers)
         self._wake()
 

@@ -37,6 +37,20 @@ class Scripted:
         self.closed_by_client = asyncio.Event()
         self.server: asyncio.Server | None = None
 
+    @classmethod
+    def answering(cls, answer: bytes, *, hold: bool = False) -> Scripted:
+        """A server that answers one request with `answer`, then closes the connection (or,
+        with `hold`, keeps it until the client closes it)."""
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(answer)
+            await writer.drain()
+            if hold:
+                await server.request(reader)
+
+        server = cls(script)
+        return server
+
     async def __aenter__(self) -> Scripted:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return self
@@ -159,12 +173,8 @@ async def test_a_chunked_body_arrives_as_it_is_sent(http: http1.Client) -> None:
 
 
 async def test_a_body_that_runs_to_the_close(http: http1.Client) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
-        await writer.drain()
-
-    async with Scripted(script) as server:
+    async with Scripted.answering(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it"
+                                  ) as server:
         response = await post(http, server.url)
         assert await response.read(100) == b"all of it"
         assert response.finished
@@ -174,12 +184,8 @@ async def test_a_body_that_runs_to_the_close(http: http1.Client) -> None:
 
 
 async def test_a_broken_answer(http: http1.Client) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")
-        await writer.drain()
-
-    async with Scripted(script) as server:
+    async with Scripted.answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
+                                  ) as server:
         response = await post(http, server.url)
         with pytest.raises(http1.Disconnected):
             await response.read(1000)
@@ -197,12 +203,7 @@ async def test_closed_before_any_answer(http: http1.Client) -> None:
 
 
 async def test_not_http(http: http1.Client) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
-        await reader.read()
-
-    async with Scripted(script) as server:
+    async with Scripted.answering(b"SSH-2.0-OpenSSH_9.2\r\n\r\n", hold=True) as server:
         with pytest.raises(http1.BadResponse):
             await post(http, server.url)
 
@@ -296,12 +297,7 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused(
 
 
 async def test_an_informational_answer_before_the_real_one(http: http1.Client) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)
-        await reader.read()
-
-    async with Scripted(script) as server:
+    async with Scripted.answering(b"HTTP/1.1 100 Continue\r\n\r\n" + OK, hold=True) as server:
         response = await post(http, server.url)
         assert response.status == 200 and await response.read(10) == b"{}"
         response.release()
@@ -351,13 +347,9 @@ async def test_a_compressed_body_is_read_decoded(http: http1.Client, encoding: s
     text = b'{"answer": "' + b"la " * 200_000 + b'"}'
     packed = gzip.compress(text) if encoding == "gzip" else zlib.compress(text)
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Encoding: %b\r\nContent-Length: %d\r\n\r\n%b"
-                     % (encoding.encode(), len(packed), packed))
-        await server.request(reader)
-
-    async with Scripted(script) as server:
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Encoding: %b\r\nContent-Length: %d\r\n\r\n%b"
+              % (encoding.encode(), len(packed), packed))
+    async with Scripted.answering(answer, hold=True) as server:
         response = await post(http, server.url)
         pieces = [piece async for piece in response.chunks()]
         assert b"".join(pieces) == text and response.total_bytes == len(text)
@@ -366,13 +358,8 @@ async def test_a_compressed_body_is_read_decoded(http: http1.Client, encoding: s
 
 
 async def test_a_body_that_does_not_decompress(http: http1.Client) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\n"
-                     b"plain")
-        await server.request(reader)
-
-    async with Scripted(script) as server:
+    async with Scripted.answering(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n"
+                                  b"Content-Length: 5\r\n\r\nplain", hold=True) as server:
         response = await post(http, server.url)
         with pytest.raises(http1.BadResponse):
             await response.read(100)

@@ -220,9 +220,11 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
 def engine_score(figures: dict[str, float], routing: RoutingSection = DEFAULT_ROUTING) -> float:
     """The gateway's `engine` load score (proxy.upstream.pool.Backend.engine_load) from one
     read of /metrics, without the requests a worker sent since its last read."""
-    return (routing.waiting_weight * figures.get("vllm:num_requests_waiting", 0.0)
-            + routing.running_weight * figures.get("vllm:num_requests_running", 0.0)
-            + routing.kv_cache_weight * figures.get("vllm:kv_cache_usage_perc", 0.0))
+    weights = Weights(routing.waiting_weight, routing.running_weight, routing.kv_cache_weight,
+                      routing.sent_weight)
+    return weights.score(figures.get("vllm:num_requests_waiting", 0.0),
+                         figures.get("vllm:num_requests_running", 0.0),
+                         figures.get("vllm:kv_cache_usage_perc"), 0.0)
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ class _Named:
     name: str
     weight: int = 1
     outstanding: int = 0
+    service_s: float | None = None
 
     def local_score(self) -> float:
         return 0.0
@@ -318,9 +321,12 @@ class PickRun:
                                                      ttft, strict=True)],
             "completed_max_over_mean": _max_over_mean(completed),
             # Per unit of capacity (a replica's capacity is proportional to its speed): the
-            # load each replica carries against what it can carry.
-            "capacity_load_max_over_mean": _max_over_mean(
-                [c / s for c, s in zip(completed, speeds, strict=True)]),
+            # busiest replica's load per unit of capacity over the pool's (all completed over
+            # all capacity), the mean the gateway's bound compares with. (An unweighted mean of
+            # the three ratios would count the slow replica's as much as a fast one's.)
+            "capacity_load_max_over_mean": (
+                max(c / s for c, s in zip(completed, speeds, strict=True))
+                / (sum(completed) / sum(speeds)) if sum(completed) > 0 else math.nan),
             "in_flight_max_over_mean": _max_over_mean(flight),
             # The bound as the gateway applies it: each instant's engine load scores.
             "score_samples": len(self.scores),
@@ -368,14 +374,15 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
                       for i, (_, url) in enumerate(sims)],
             # Routing, not the ledger's fsync, is measured: keep the disk off the path.
             ledger_fsync="everysec",
-            routing={"pick": pick, "load_bound": args.load_bound})
+            routing={"pick": pick, "load_bound": args.load_bound, **args.score})
         gateway = start("gateway", gateway_args(config, port, workers=WORKERS))
         wait_ready(f"http://127.0.0.1:{port}/readyz", server=gateway)
         gateway_worker_pids(gateway.pid, WORKERS)
         keys = tuple(create_keys(config, args.keys, credits_each=CREDITS_PER_ACCOUNT))
         target = loadgen.Target("gateway", f"http://127.0.0.1:{port}{CHAT_PATH}", keys)
         run = PickRun(pick)
-        run_async(drive(run, target, [url for _, url in sims], schedule, args.warmup))
+        run_async(drive(run, target, [url for _, url in sims], schedule, args.warmup,
+                        RoutingSection(**args.score)))
         if gateway.popen.poll() is not None:
             raise gateway.failed(f"exited during the run (code {gateway.popen.returncode})")
         time.sleep(0.2)  # the access log is written in batches every 0.05 s
@@ -384,7 +391,8 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
 
 
 async def drive(run: PickRun, target: loadgen.Target, sims: Sequence[str],
-                schedule: list[Planned], warmup_s: float) -> None:
+                schedule: list[Planned], warmup_s: float,
+                routing: RoutingSection = DEFAULT_ROUTING) -> None:
     """The open loop: requests due in the warm-up are sent but not counted; the engines'
     counters are read as the counted window opens and as its schedule ends."""
     warm = loadgen.Tally()
@@ -407,7 +415,7 @@ async def drive(run: PickRun, target: loadgen.Target, sims: Sequence[str],
                 run.in_flight.append([f.get("vllm:num_requests_running", 0.0)
                                       + f.get("vllm:num_requests_waiting", 0.0)
                                       for f in figures])
-                run.scores.append([engine_score(f) for f in figures])
+                run.scores.append([engine_score(f, routing) for f in figures])
             run.after = await scrape(probe, sims)
             run.window_s = time.perf_counter() - opened
             run.window_wall = (run.window_wall[0], time.time())
@@ -543,6 +551,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"comma-separated picks to run (default {','.join(PICKS)})")
     p.add_argument("--load-bound", type=float, default=DEFAULT_LOAD_BOUND,
                    help="[routing] load_bound given to the gateway (default 0.25, as shipped)")
+    p.add_argument("--score", default="", metavar="NAME=W,...",
+                   help="the engine score's weights given to the gateway, e.g. "
+                        "running_weight=0.25,kv_cache_weight=2 (default: as shipped)")
     p.add_argument("--kv-cache-blocks", type=int, help="each simulator's KV cache, in blocks "
                    "of 16 tokens (default 512: about five system prompts and a batch)")
     p.add_argument("--single-turn", action="store_true",
@@ -567,6 +578,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--weights: three whole numbers >= 1, e.g. 3,3,1")
     if not args.picks or set(args.picks) - set(PICKS):
         p.error(f"--picks: choose from {', '.join(PICKS)}")
+    names = ("waiting_weight", "running_weight", "kv_cache_weight", "sent_weight")
+    try:
+        pairs = [item.split("=", 1) for item in args.score.split(",") if item.strip()]
+        args.score = {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        p.error("--score: NAME=NUMBER pairs, e.g. running_weight=0.25,kv_cache_weight=2")
+    if set(args.score) - set(names) or min(args.score.values(), default=0) < 0:
+        p.error(f"--score: weights >= 0 among {', '.join(names)}")
     args.duration = args.duration or (3.0 if args.quick else 45.0)
     args.warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 8.0)
     if args.quick:
@@ -597,6 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = plan(workload, rate, args.warmup + args.duration, args.seed)
     split = first_choices(workload, [replica_name(i) for i in range(len(engines.speeds))],
                           args.weights)
+    score = RoutingSection(**args.score)
     notes = [
         f"engines: 3 vLLM simulators, speeds {'/'.join(f'{s:g}' for s in engines.speeds)}; "
         f"--max-num-seqs {engines.max_num_seqs}, --prefill-ms-per-1k-tokens "
@@ -619,16 +639,19 @@ def main(argv: Sequence[str] | None = None) -> int:
            f"{rate:.1f} req/s = {args.load:g} x the all-miss capacity")
         + ", open loop, Poisson arrivals, the same schedule and bodies for every pick",
         f"gateway: `serve --workers {WORKERS}`, [routing] pick per column, load_bound "
-        f"{args.load_bound:g}, backend weights {'/'.join(map(str, args.weights))}; "
+        f"{args.load_bound:g}, backend weights {'/'.join(map(str, args.weights))}"
+        + "".join(f", {k} {v:g}" for k, v in args.score.items()) + "; "
         f"{args.keys} API keys of one tier whose limit never binds, no queue_budget; nothing "
         "pinned (the load is light: see cores busy)",
         f"counted: {args.duration:g} s per pick after a {args.warmup:g} s warm-up; TTFT = first "
         "content event, from the scheduled start; engine counters (hits, queries, completed) "
         "are deltas over the counted window; in flight = running + waiting, sampled every "
         f"{SAMPLE_S:g} s",
-        "the gateway bounds `prefix` by each instant's engine load score (waiting + 0.5 x "
-        "running + 4 x KV use + requests sent since its last read); judged here: completed "
-        "requests over the whole run (max/mean); shown beside it: the share of 0.25 s samples "
+        f"the gateway bounds `prefix` by each instant's engine load score (waiting x "
+        f"{score.waiting_weight:g} + running x {score.running_weight:g} + KV pressure above 80 "
+        f"% use x {score.kv_cache_weight:g} + requests sent since its last read); judged "
+        "here: completed requests over the whole run per unit of capacity, the busiest "
+        "replica's over the pool's; shown beside it: the share of 0.25 s samples "
         f"where some replica's score (from its /metrics) was above {1 + args.load_bound:g} x "
         "the mean",
         "prefix keys: " + (
@@ -665,7 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "shared_prompt_tokens": shared, "capacity_all_miss_per_s": cold,
             "capacity_all_hit_per_s": warm, "rate_per_s": rate, "load": args.load,
             "prefix_first_choices": None if workload.single_turn else split,
-            "load_bound": args.load_bound, "weights": args.weights,
+            "load_bound": args.load_bound, "weights": args.weights, "score": args.score,
             "duration_s": args.duration,
             "warmup_s": args.warmup, "workers": WORKERS, "keys": args.keys,
         },

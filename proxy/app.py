@@ -299,7 +299,8 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     session = probe_session(config.health.timeout_s)
     prober = Prober(router.backends, config.health, session)
     signals = signals_key(config.root) if config.health.engine_signals_s > 0 else None
-    sync = FleetSync(router.backends, app[REDIS], fleet_key(config.root), signals)
+    sync = FleetSync(router.backends, app[REDIS], fleet_key(config.root), signals,
+                     config.health.engine_signals_s)
     tasks: list[asyncio.Task[None]] = []
     try:
         if sync.needed:

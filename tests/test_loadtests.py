@@ -75,7 +75,8 @@ def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> N
     out = tmp_path / "routing.json"
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "loadtests.routing", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "loadtests.routing", "--quick", "--json", str(out),
+         "--score", "running_weight=0.25"],  # given to the gateway's [routing]: it must load
         cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
     )
     took = time.monotonic() - started
@@ -87,6 +88,13 @@ def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> N
         assert summary["requests"] > 0 and summary["ttft_p50_ms"] > 0, pick
         assert sum(r["completed"] for r in summary["replicas"]) > 0, pick  # /metrics deltas
         assert summary["prefix_cache_hit_rate"] > 0, pick  # the shared starts hit
+        # The busiest replica's completed per unit of capacity over the pool's.
+        done = [(r["completed"], r["speed"]) for r in summary["replicas"]]
+        pool = sum(c for c, _ in done) / sum(s for _, s in done)
+        assert summary["capacity_load_max_over_mean"] == pytest.approx(
+            max(c / s for c, s in done) / pool), pick
+    assert figures["meta"]["score"] == {"running_weight": 0.25}
+    assert "running x 0.25" in result.stdout
     # A smoke run judges errors only.
     assert figures["passed"] is True
     assert [c["passed"] for c in figures["checks"] if c["name"] != "failed requests, all picks"

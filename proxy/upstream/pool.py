@@ -43,6 +43,9 @@ from proxy.upstream.signals import EngineSignals
 
 RETRY_AFTER_S = "1"
 _SENT_KEPT = 1024  # send times kept per backend: more than can be open between two reads
+# Completions a time-per-request measurement spans: enough that one long request does not
+# decide a replica's speed class.
+_SERVICE_SAMPLE = 8
 SATURATED_RETRY_S = 5  # Retry-After of a saturated pool whose completion rate is not known
 _RNG = random.Random()
 MODES: tuple[Mode, ...] = ("direct", "network")
@@ -67,7 +70,8 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("_targets", "auth", "base_url", "completion_rate", "forward", "health",
+    __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "completion_rate",
+                 "forward", "health",
                  "max_ejected_ratio", "max_model_len", "name", "outstanding", "peers", "probed",
                  "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
 
@@ -96,9 +100,12 @@ class Backend:
         self.signals: EngineSignals | None = None
         self.sent: deque[float] = deque(maxlen=_SENT_KEPT)
         self.completion_rate = 0.0  # requests/s the engine completes (smoothed, from its figures)
-        # Seconds a request spends in it (Little's law: running / completion rate, smoothed):
-        # what tells a slow replica from a fast one with the same queue.
+        # Seconds a request spends in it (Little's law over a span of reads: request-seconds
+        # running over requests completed, smoothed): what tells a slow replica from a fast
+        # one with the same queue.
         self.service_s: float | None = None
+        self._busy_s = 0.0  # request-seconds running since the last measurement ...
+        self._finished = 0.0  # ... and requests completed
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
@@ -157,16 +164,25 @@ class Backend:
         return signals if signals is not None and signals.fresh(now) else None
 
     def take_signals(self, signals: EngineSignals | None) -> None:
-        """The master's latest read; two in a row give the engine's completion rate."""
+        """The master's latest read; two in a row give the engine's completion rate, and
+        reads spanning `_SERVICE_SAMPLE` completions its time per request."""
         old = self.signals
         if (signals is not None and old is not None and signals.at > old.at
                 and old.done is not None and signals.done is not None):
-            rate = max(0.0, signals.done - old.done) / (signals.at - old.at)
-            self.completion_rate = 0.7 * self.completion_rate + 0.3 * rate
-            if signals.running >= 1 and self.completion_rate > 0:
-                service = signals.running / self.completion_rate
+            span = signals.at - old.at
+            finished = max(0.0, signals.done - old.done)  # a restarted engine counts from 0
+            self.completion_rate = 0.7 * self.completion_rate + 0.3 * finished / span
+            # Running over the span (the mean of its ends) over the requests completed in it:
+            # idle spans add to neither, so a replica that gets few requests still measures
+            # its time per request, not the gaps between them (a running count over a
+            # smoothed rate did, and a rarely picked replica looked slower and slower).
+            self._busy_s += (old.running + signals.running) / 2 * span
+            self._finished += finished
+            if self._finished >= _SERVICE_SAMPLE:
+                service = self._busy_s / self._finished
                 self.service_s = service if self.service_s is None else (
                     0.7 * self.service_s + 0.3 * service)
+                self._busy_s = self._finished = 0.0
         self.signals = signals
 
     def sent_after(self, at: float) -> int:
@@ -186,8 +202,7 @@ class Backend:
         # Sent after the engine was read and still open: load its figures cannot show yet (a
         # request already answered is no load at all).
         unseen = min(self.sent_after(load.at), self.outstanding)
-        return (weights.waiting * load.waiting + weights.running * load.running
-                + weights.kv_cache * (load.kv or 0.0) + weights.sent * unseen)
+        return weights.score(load.waiting, load.running, load.kv, unseen)
 
     def local_score(self) -> float:
         return (self.outstanding + 1) / self.spec.weight

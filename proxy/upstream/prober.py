@@ -191,16 +191,19 @@ class Prober:
 
 class FleetSync:
     """Follows the master's records in Redis: the supervisor's states of supervised backends,
-    and the engines' own load (vLLM and TGI backends, proxy.runtime.signal_scraper)."""
+    and the engines' own load (vLLM and TGI backends, proxy.runtime.signal_scraper), read as
+    often as the master scrapes them (`signals_s`) so a pick's figures are at most two scrapes
+    old."""
 
     def __init__(self, backends: Sequence[Backend], redis: Store, key: str,
-                 signals_key: str | None = None) -> None:
+                 signals_key: str | None = None, signals_s: float = POLL_S) -> None:
         self.backends = [b for b in backends if b.supervised]
         self.signalled = [b for b in backends if b.spec.kind in SIGNAL_KINDS] \
             if signals_key else []
         self.redis = redis
         self.key = key
         self.signals_key = signals_key
+        self.interval_s = min(POLL_S, max(0.1, signals_s)) if self.signalled else POLL_S
         self._redis_down = False
         self._ready_pid: dict[str, int | None] = {}  # the process last seen ready, per backend
 
@@ -243,7 +246,7 @@ class FleetSync:
 
     async def run(self, prober: Prober) -> None:
         while True:
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(self.interval_s)
             fresh = await self.read_once()
             await asyncio.gather(*(prober.probe(b) for b in fresh))  # in rotation at once
 

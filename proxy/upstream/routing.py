@@ -38,6 +38,26 @@ class Weights:
     kv_cache: float = 4.0
     sent: float = 1.0
 
+    def score(self, waiting: float, running: float, kv: float | None, sent: float) -> float:
+        """An engine's load in requests ahead of a new one: its queue, its batch, KV-cache
+        pressure, and requests sent to it that its figures cannot show yet."""
+        return (self.waiting * waiting + self.running * running
+                + self.kv_cache * kv_pressure(kv) + self.sent * sent)
+
+
+KV_KNEE = 0.8  # KV-cache use from which it counts against an engine
+
+
+def kv_pressure(kv: float | None) -> float:
+    """0 up to `KV_KNEE` of the KV cache in use, rising to 1 when it is full. Below the knee
+    an engine admits a new request at once, and what its batch costs is already in `running`
+    (counted linearly, KV use sent an uneven pool's tail 20 % higher: loadtests.routing,
+    2026-11-26); near full, new requests wait for blocks and running ones get preempted. The
+    Gateway API Inference Extension's picker filters at the same 0.8."""
+    if kv is None or kv <= KV_KNEE:
+        return 0.0
+    return min(1.0, (kv - KV_KNEE) / (1.0 - KV_KNEE))
+
 
 class Replica(Protocol):
     """What a pick needs of a backend (proxy.upstream.pool.Backend)."""

@@ -7,13 +7,19 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from proxy.config import BackendSpec
+from proxy.runtime.fleet_state import POLL_S
 from proxy.runtime.redis_process import RedisProcess
+from proxy.runtime.store import Store
+from proxy.upstream.pool import Backend
+from proxy.upstream.prober import FleetSync
 from proxy.upstream.signals import EngineSignals, parse_signals
 from tests.conftest import MODEL
 from tests.runtime.test_fleet import ADMIN, Stack
@@ -111,6 +117,17 @@ async def fake_engine() -> AsyncIterator[tuple[FakeEngine, TestServer]]:
 async def scrape(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(f"{url}/metrics", headers={"Connection": "close"}) as r:
         return await r.text()
+
+
+def test_workers_read_the_figures_as_often_as_the_master_scrapes_them() -> None:
+    """A pick's figures are at most two scrapes old, not a scrape and a half-second poll."""
+    engines = [Backend(BackendSpec(name="e0", kind="vllm", url="http://e0:8000",
+                                   models=[MODEL]))]
+    store = cast(Store, None)  # not read here
+    assert FleetSync(engines, store, "fleet", "signals", 0.25).interval_s == 0.25
+    assert FleetSync(engines, store, "fleet", "signals", 0.01).interval_s == 0.1  # a floor
+    assert FleetSync(engines, store, "fleet", "signals", 5.0).interval_s == POLL_S
+    assert FleetSync(engines, store, "fleet", None, 0.25).interval_s == POLL_S  # no figures
 
 
 async def test_the_master_scrapes_once_per_host_and_every_worker_shows_it(

@@ -118,6 +118,23 @@ def test_engine_pick_avoids_a_full_queue_and_counts_what_it_sent() -> None:
     assert b.engine_load(weights, time.time()) == pytest.approx(before - weights.sent * sent)
 
 
+def test_kv_cache_use_counts_only_as_the_cache_nears_full() -> None:
+    """Below 80 % in use an engine admits at once (its batch is already in `running`); from
+    there to full, KV use adds up to `kv_cache_weight` requests to its load."""
+    pool = chat_pool("a", "b", pick="engine")
+    backend, weights = pool.backends[0], pool.weights
+
+    def score(kv: float) -> float:
+        load(backend, waiting=1, running=4, kv=kv)
+        value = backend.engine_load(weights, time.time())
+        assert value is not None
+        return value
+
+    assert score(0.1) == score(0.8) == pytest.approx(weights.waiting + 4 * weights.running)
+    assert score(0.9) == pytest.approx(score(0.1) + weights.kv_cache / 2)
+    assert score(1.0) == pytest.approx(score(0.1) + weights.kv_cache)
+
+
 def test_stale_or_missing_figures_fall_back_to_this_workers_counts() -> None:
     pool = chat_pool("a", "b", pick="engine")
     a, b = pool.backends
@@ -186,6 +203,23 @@ def test_a_slow_replica_counts_its_queue_at_its_speed() -> None:
     # Without a measured speed for both, queues alone decide.
     slow.service_s = None
     assert {pool.pick().name for _ in range(5)} == {"slow"}
+
+
+def test_a_rarely_picked_replica_measures_its_time_per_request_not_its_idle_gaps() -> None:
+    """One 0.5 s request every 2 s, read every 0.25 s: 0.5 s per request, however idle the
+    replica is between them (a running count over a smoothed completion rate read it as
+    seconds, and its speed class locked it out of its prefixes)."""
+    backend = chat_pool("rare", "other").backends[0]
+    now = time.time() - 100
+    done = 0
+    for step in range(8 * 40):  # 40 requests
+        at = now + step * 0.25
+        phase = step % 8  # running during [0, 0.5) of each 2 s; done when it ends
+        running = 1 if phase in (1, 2) else 0
+        done += phase == 3
+        backend.take_signals(EngineSignals(waiting=0, running=running, kv=0.0, at=at,
+                                           done=done))
+    assert backend.service_s == pytest.approx(0.5, rel=0.05)
 
 
 def test_a_replica_measured_three_times_slower_owns_a_third_as_many_prefixes() -> None:

@@ -167,23 +167,27 @@ class Backend:
         """The master's latest read; two in a row give the engine's completion rate, and
         reads spanning `_SERVICE_SAMPLE` completions its time per request."""
         old = self.signals
-        if (signals is not None and old is not None and signals.at > old.at
-                and old.done is not None and signals.done is not None):
-            span = signals.at - old.at
-            finished = max(0.0, signals.done - old.done)  # a restarted engine counts from 0
-            self.completion_rate = 0.7 * self.completion_rate + 0.3 * finished / span
-            # Running over the span (the mean of its ends) over the requests completed in it:
-            # idle spans add to neither, so a replica that gets few requests still measures
-            # its time per request, not the gaps between them (a running count over a
-            # smoothed rate did, and a rarely picked replica looked slower and slower).
-            self._busy_s += (old.running + signals.running) / 2 * span
-            self._finished += finished
-            if self._finished >= _SERVICE_SAMPLE:
-                service = self._busy_s / self._finished
-                self.service_s = service if self.service_s is None else (
-                    0.7 * self.service_s + 0.3 * service)
-                self._busy_s = self._finished = 0.0
         self.signals = signals
+        if (signals is None or old is None or signals.at <= old.at
+                or old.done is None or signals.done is None):
+            return
+        if signals.done < old.done:  # the engine restarted: its counter began again
+            self._busy_s = self._finished = 0.0
+            return
+        span = signals.at - old.at
+        finished = signals.done - old.done
+        self.completion_rate = 0.7 * self.completion_rate + 0.3 * finished / span
+        # Running over the span (the mean of its ends) over the requests completed in it: idle
+        # spans add to neither, so a replica that gets few requests still measures its time
+        # per request, not the gaps between them (a running count over a smoothed rate did,
+        # and a rarely picked replica looked slower and slower).
+        self._busy_s += (old.running + signals.running) / 2 * span
+        self._finished += finished
+        if self._finished >= _SERVICE_SAMPLE:
+            service = self._busy_s / self._finished
+            self.service_s = service if self.service_s is None else (
+                0.7 * self.service_s + 0.3 * service)
+            self._busy_s = self._finished = 0.0
 
     def sent_after(self, at: float) -> int:
         """This worker's requests to it sent after wall-clock time `at` (of the last

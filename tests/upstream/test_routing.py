@@ -210,13 +210,15 @@ def test_a_rarely_picked_replica_measures_its_time_per_request_not_its_idle_gaps
     replica is between them (a running count over a smoothed completion rate read it as
     seconds, and its speed class locked it out of its prefixes)."""
     backend = chat_pool("rare", "other").backends[0]
-    now = time.time() - 100
+    now = time.time() - 200
     done = 0
-    for step in range(8 * 40):  # 40 requests
+    for step in range(8 * 80):  # 80 requests; the engine restarts halfway
         at = now + step * 0.25
         phase = step % 8  # running during [0, 0.5) of each 2 s; done when it ends
         running = 1 if phase in (1, 2) else 0
         done += phase == 3
+        if step == 8 * 40 + 2:  # its counter starts again from 0, mid-request
+            done = 0
         backend.take_signals(EngineSignals(waiting=0, running=running, kv=0.0, at=at,
                                            done=done))
     assert backend.service_s == pytest.approx(0.5, rel=0.05)

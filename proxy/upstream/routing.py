@@ -51,9 +51,8 @@ KV_KNEE = 0.8  # KV-cache use from which it counts against an engine
 def kv_pressure(kv: float | None) -> float:
     """0 up to `KV_KNEE` of the KV cache in use, rising to 1 when it is full. Below the knee
     an engine admits a new request at once, and what its batch costs is already in `running`
-    (counted linearly, KV use sent an uneven pool's tail 20 % higher: loadtests.routing,
-    2026-11-26); near full, new requests wait for blocks and running ones get preempted. The
-    Gateway API Inference Extension's picker filters at the same 0.8."""
+    (counted linearly, KV use raised an uneven pool's p99 TTFT: loadtests.routing,
+    2026-11-26); near full, new requests wait for blocks and running ones get preempted."""
     if kv is None or kv <= KV_KNEE:
         return 0.0
     return min(1.0, (kv - KV_KNEE) / (1.0 - KV_KNEE))

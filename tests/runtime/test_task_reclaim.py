@@ -25,7 +25,9 @@ async def test_a_killed_workers_task_completes_on_another(tmp_path: Path, stacks
     stack.ready()
     redis = Redis.from_url(redis_url)
     try:
-        async with aiohttp.ClientSession() as session:
+        # A connection per request: one kept alive to the worker killed below would be reset.
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)) as session:
             async with session.post(stack.url + CHAT, json={**BODY, "async": True},
                                     headers={"x-sim-delay-ms": "2500"}) as r:
                 assert r.status == 202, await r.text()

@@ -220,11 +220,9 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
 def engine_score(figures: dict[str, float], routing: RoutingSection = DEFAULT_ROUTING) -> float:
     """The gateway's `engine` load score (proxy.upstream.pool.Backend.engine_load) from one
     read of /metrics, without the requests a worker sent since its last read."""
-    weights = Weights(routing.waiting_weight, routing.running_weight, routing.kv_cache_weight,
-                      routing.sent_weight)
-    return weights.score(figures.get("vllm:num_requests_waiting", 0.0),
-                         figures.get("vllm:num_requests_running", 0.0),
-                         figures.get("vllm:kv_cache_usage_perc"), 0.0)
+    return Weights.of(routing).score(figures.get("vllm:num_requests_waiting", 0.0),
+                                     figures.get("vllm:num_requests_running", 0.0),
+                                     figures.get("vllm:kv_cache_usage_perc"), 0.0)
 
 
 @dataclass(frozen=True)
@@ -382,7 +380,7 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
         target = loadgen.Target("gateway", f"http://127.0.0.1:{port}{CHAT_PATH}", keys)
         run = PickRun(pick)
         run_async(drive(run, target, [url for _, url in sims], schedule, args.warmup,
-                        RoutingSection(**args.score)))
+                        args.routing))
         if gateway.popen.poll() is not None:
             raise gateway.failed(f"exited during the run (code {gateway.popen.returncode})")
         time.sleep(0.2)  # the access log is written in batches every 0.05 s
@@ -586,6 +584,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--score: NAME=NUMBER pairs, e.g. running_weight=0.25,kv_cache_weight=2")
     if set(args.score) - set(names) or min(args.score.values(), default=0) < 0:
         p.error(f"--score: weights >= 0 among {', '.join(names)}")
+    args.routing = RoutingSection(**args.score)  # the score's weights, as the gateway gets them
     args.duration = args.duration or (3.0 if args.quick else 45.0)
     args.warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 8.0)
     if args.quick:
@@ -616,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = plan(workload, rate, args.warmup + args.duration, args.seed)
     split = first_choices(workload, [replica_name(i) for i in range(len(engines.speeds))],
                           args.weights)
-    score = RoutingSection(**args.score)
+    score = args.routing
     notes = [
         f"engines: 3 vLLM simulators, speeds {'/'.join(f'{s:g}' for s in engines.speeds)}; "
         f"--max-num-seqs {engines.max_num_seqs}, --prefill-ms-per-1k-tokens "

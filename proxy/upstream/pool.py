@@ -229,8 +229,7 @@ class Pool:
         self.backends = tuple(backends)
         self.pick_kind: PickKind = pick_kind
         r = routing or RoutingSection()
-        self.weights = Weights(r.waiting_weight, r.running_weight, r.kv_cache_weight,
-                               r.sent_weight)
+        self.weights = Weights.of(r)
         self.load_bound = r.load_bound
 
     @property

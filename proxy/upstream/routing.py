@@ -21,9 +21,12 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
+
+if TYPE_CHECKING:
+    from proxy.config import RoutingSection
 
 PickKind = Literal["p2c", "engine", "prefix"]
 SESSION_HEADER = "X-Session-Id"
@@ -37,6 +40,11 @@ class Weights:
     running: float = 0.5
     kv_cache: float = 4.0
     sent: float = 1.0
+
+    @classmethod
+    def of(cls, routing: RoutingSection) -> Weights:
+        return cls(routing.waiting_weight, routing.running_weight, routing.kv_cache_weight,
+                   routing.sent_weight)
 
     def score(self, waiting: float, running: float, kv: float | None, sent: float) -> float:
         """An engine's load in requests ahead of a new one: its queue, its batch, KV-cache

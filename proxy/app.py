@@ -231,7 +231,7 @@ async def _observe_ctx(app: web.Application) -> AsyncIterator[None]:
     """The access log's writer and the metrics' flusher: first up, last down, so requests
     answered while the rest shuts down are still logged and counted."""
     config = app[CONFIG]
-    app[ACCESS_LOG] = AccessLog(config.gateway.access_log, config.root)
+    app[ACCESS_LOG] = AccessLog(config.gateway.access_log, config.root, app[METRICS])
     app[ACCESS_LOG].start()
     flusher = asyncio.create_task(flush_metrics(app[METRICS]))
     try:

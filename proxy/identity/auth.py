@@ -23,7 +23,6 @@ from redis.exceptions import RedisError
 
 from proxy.config import AuthPolicy
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
-from proxy.identity.apikeys import well_formed
 from proxy.identity.keystore import KeyRecord, KeyStore
 
 if TYPE_CHECKING:  # PyJWT and cryptography load only where JWTs are configured (~10 MB)
@@ -38,7 +37,6 @@ GUEST_TIER = "guest"
 class Authenticator:
     def __init__(self, policy: AuthPolicy, keystore: KeyStore, jwt: JwtVerifier | None,
                  lookups: MovingWindowRateLimiter) -> None:
-        self._prefix = policy.keys.prefix
         self._keystore = keystore
         self._jwt = jwt
         self._trusted: tuple[Network, ...] = tuple(
@@ -75,10 +73,7 @@ class Authenticator:
 
     async def _from_key(self, key: str, headers: Mapping[str, str], peer: str | None
                         ) -> Principal:
-        if not well_formed(key, self._prefix):
-            raise _unauthorized("invalid API key")
-
-        found, record = self._keystore.cached(key)
+        found, record = self._keystore.cached(key)  # a malformed key: found, no record
         try:
             if not found:
                 record = await self._read_key(key, headers, peer)

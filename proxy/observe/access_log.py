@@ -1,16 +1,21 @@
 """The access log: one JSON line per request, written off the hot path.
 
-A request's line is built from its `Trace` and handed to a queue; a thread of its own encodes
-and writes whatever has queued up in one write (stderr or a file), so a slow disk or a full pipe
-never stalls the event loop, and a busy gateway pays one system call per batch, not per line. A
-line holds the request id, method, route template, model, tier, account, status, error type,
-latency, time to first byte, backend, stream outcome, units and credits; never a key, a token, a
-header or anything from a body. `[gateway] access_log` picks where it goes ("stderr", "off" or a
+A request's line is built from its `Trace`, encoded (orjson, ~1 µs) and handed to a queue; a
+thread of its own writes whatever has queued up (stderr or a file) through the file's buffer, so a
+slow disk or a full pipe never stalls the event loop, and a busy gateway pays a system call per
+8 KB of lines, not per line. Lines wait as bytes (~350 B each), not as dicts (~850 B), and the
+thread joins no copy of a batch: memory it allocates lands in a malloc arena of its own, which
+the process keeps (a batch joined there, and orjson's 4 KB buffers, once cost the worker ~8 MB
+of RSS under load). `QUEUE_MAX` bounds what a writer that falls behind can hold. A line holds
+the request id, method, route template, model, tier, account, status, error type, latency, time
+to first byte, backend, stream outcome, units and credits; never a key, a token, a header or
+anything from a body. `[gateway] access_log` picks where it goes ("stderr", "off" or a
 file path; a file is reopened when logrotate moves it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -18,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
 from aiohttp import web
@@ -26,8 +31,11 @@ from aiohttp import web
 from proxy.credits.pricing import format_credits
 from proxy.observe.trace import Trace
 
-QUEUE_MAX = 100_000  # lines waiting for the writer; past it lines are dropped, not awaited
-_BATCH_MAX = 4096  # lines encoded and written at once
+if TYPE_CHECKING:
+    from proxy.observe.metrics import Metrics
+
+QUEUE_MAX = 20_000  # lines waiting for the writer (~7 MB); past it lines are dropped, not awaited
+BATCH_MAX = 4096  # lines written at once
 _GATHER_S = 0.05  # how long the writer lets lines gather before it writes them
 _STOP = None
 
@@ -37,10 +45,11 @@ log = logging.getLogger("proxy.observe")
 class AccessLog:
     """`write` on the request path; `start` runs the writer thread until `stop`."""
 
-    def __init__(self, destination: str, root: str) -> None:
+    def __init__(self, destination: str, root: str, metrics: Metrics | None = None) -> None:
         self.enabled = destination != "off"
         self.dropped = 0  # lines lost to a full queue (a writer that cannot keep up)
-        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self._metrics = metrics
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._path = None if destination in ("stderr", "off") else Path(root) / destination
         self._thread: threading.Thread | None = None
 
@@ -64,6 +73,8 @@ class AccessLog:
             return
         if self._queue.qsize() >= QUEUE_MAX:
             self.dropped += 1
+            if self._metrics is not None:
+                self._metrics.access_log_dropped.inc()
             return
         line: dict[str, Any] = {
             "ts": round(time.time(), 3), "request_id": request_id, "method": request.method,
@@ -80,7 +91,8 @@ class AccessLog:
             line["units"] = trace.units
         if trace.cost:
             line["credits"] = format_credits(trace.cost)  # as the account API writes them
-        self._queue.put(line)
+        # A copy: orjson hands back its whole 4 KB working buffer (see wire.upstream_body).
+        self._queue.put(bytes(memoryview(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))))
 
     def _run(self, out: _Output) -> None:
         get, get_nowait = self._queue.get, self._queue.get_nowait
@@ -90,16 +102,15 @@ class AccessLog:
             # Let lines gather: a writer woken for every line would take the GIL from the
             # event loop thousands of times a second.
             time.sleep(_GATHER_S)
-            while len(batch) < _BATCH_MAX:
+            while len(batch) < BATCH_MAX:
                 try:
                     batch.append(get_nowait())
                 except queue.Empty:
                     break
             if _STOP in batch:
                 running = False
-            data = b"".join(orjson.dumps(line) + b"\n" for line in batch if line is not None)
             try:
-                out.write(data)
+                out.write([line for line in batch if line is not None])
             except (OSError, ValueError) as exc:  # a full disk, a closed pipe: lose lines only
                 log.warning("access log write failed (%s)", exc)
         out.close()
@@ -117,11 +128,12 @@ class _Output:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return self.path.open("ab")
 
-    def write(self, data: bytes) -> None:
+    def write(self, lines: list[bytes]) -> None:
+        """Through the file's own buffer: no joined copy of a batch in this thread's memory."""
         if self.path is not None and self._moved():
             self.file.close()
             self.file = self._open()
-        self.file.write(data)
+        self.file.writelines(lines)
         self.file.flush()
 
     def _moved(self) -> bool:
@@ -133,4 +145,5 @@ class _Output:
 
     def close(self) -> None:
         if self.path is not None:
-            self.file.close()
+            with contextlib.suppress(OSError, ValueError):  # what a failed write left buffered
+                self.file.close()

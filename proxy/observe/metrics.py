@@ -135,6 +135,9 @@ class Metrics:
         self.settlements_lost = Counter(
             "igw_settlements_lost", "Settlement writes dropped after every retry failed (their "
             "holds expire and the sweeper releases them).", registry=r)
+        self.access_log_dropped = Counter(
+            "igw_access_log_dropped", "Access-log lines dropped because its writer fell too far "
+            "behind (a disk or pipe slower than the requests).", registry=r)
         self.settlements_unreplicated = Counter(
             "igw_settlements_unreplicated", "Settlement writes that fewer replicas than "
             "`ledger_ack_replicas` confirmed within a second (a failover then could lose them).",

@@ -38,6 +38,8 @@ async def _run_worker(spec: WorkerSpec) -> None:
     from proxy.app import build_app  # the master never needs the HTTP stack
     from proxy.appkeys import DRAIN
     from proxy.http.server import GatewayRunner, raise_fd_limit
+    from proxy.runtime.background import stop_task
+    from proxy.runtime.memory import trim_forever
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -55,12 +57,14 @@ async def _run_worker(spec: WorkerSpec) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 50, 50)
+    trimmer = asyncio.create_task(trim_forever())  # RSS back to what is held after a burst
     try:
         site = web.TCPSite(runner, spec.host, spec.port, reuse_port=True, backlog=1024)
         await site.start()
         await stop.wait()
         await app[DRAIN].drain(spec.config.gateway.drain_timeout_s)
     finally:
+        await stop_task(trimmer)
         # A task, waited for without cancelling it: a library that swallows a cancellation
         # (redis-py can) must not keep the worker alive.
         cleanup = asyncio.create_task(runner.cleanup())

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestServer, make_mocked_request
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
+from proxy.observe.access_log import BATCH_MAX, QUEUE_MAX, AccessLog
+from proxy.observe.metrics import Labels, Metrics
+from proxy.observe.trace import Trace
 from tests.conftest import (
     GENEROUS_TIERS,
     MODEL,
@@ -198,3 +203,27 @@ async def test_access_log_lines(simulator: SimulatorFactory, gateway: GatewayFac
         await asyncio.sleep(0.02)
     assert [orjson.loads(line)["request_id"] for line in path.read_bytes().splitlines()] == [
         "client-req-5"]
+
+
+def test_a_writer_that_cannot_keep_up_drops_lines_and_counts_them(tmp_path: Path) -> None:
+    """The log goes to a pipe nobody reads: the writer blocks, the queue fills to QUEUE_MAX, and
+    further lines are dropped (the request path never waits) and counted in
+    igw_access_log_dropped_total, instead of growing the worker's memory."""
+    fifo = tmp_path / "full.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, never read
+    metrics = Metrics(Labels([MODEL], lambda: {"max"}, ["b0"]), CollectorRegistry())
+    log = AccessLog(fifo.name, str(tmp_path), metrics)
+    log.start()
+    request = make_mocked_request("POST", CHAT)
+    try:
+        # The writer takes one batch (at most BATCH_MAX lines, more than the pipe's 64 KB
+        # buffer holds) and blocks writing it; the queue keeps the next QUEUE_MAX.
+        extra = 500
+        for _ in range(BATCH_MAX + QUEUE_MAX + extra):
+            log.write(request, Trace(ROUTE), 200, "req")
+        assert log.dropped >= extra
+        assert metrics.registry.get_sample_value("igw_access_log_dropped_total") == log.dropped
+    finally:
+        os.close(reader)  # the writer's next write fails (no reader): it ends its batch
+        log.stop()

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -63,5 +64,68 @@ async def test_a_handshake_that_never_ends_is_bounded(clean_redis: RedisProcess)
     finally:
         await pipe.close()
         await admin.execute_command("CLIENT", "UNPAUSE")
+        await redis.aclose()
+        await admin.aclose()
+
+
+async def test_a_script_redis_does_not_know_is_loaded_and_run(clean_redis: RedisProcess) -> None:
+    """NOSCRIPT comes back as redis-py's NoScriptError (after a Redis restart the script cache is
+    empty): the pipe loads the script and runs it again, once."""
+    redis = Redis.from_url(clean_redis.url)
+    pipe = ScriptPipe(redis)
+    script = redis.register_script("return {tonumber(ARGV[1]) + 1, KEYS[1]}")
+    try:
+        await redis.script_flush()
+        assert await pipe.call(script, ["k"], [41]) == [42, b"k"]
+        assert await redis.script_exists(script.sha) == [True]
+    finally:
+        await pipe.close()
+        await redis.aclose()
+
+
+async def test_a_reply_that_never_comes_fails_the_call_and_the_next_call_connects_again(
+        clean_redis: RedisProcess) -> None:
+    """A Redis that stops answering an open connection (paused, hung): the waiting call fails
+    within REPLY_TIMEOUT_S (admission answers 503), and once Redis answers again a new call
+    gets a new connection."""
+    admin = Redis.from_url(clean_redis.url)
+    redis = Redis.from_url(clean_redis.url)
+    pipe = ScriptPipe(redis)
+    try:
+        assert await pipe.pipeline([("PING",)]) == [b"PONG"]  # connected before the pause
+        await admin.execute_command("CLIENT", "PAUSE", str(int(REPLY_TIMEOUT_S * 1000) + 1000))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(RedisTimeoutError):
+            await pipe.pipeline([("INCR", "n")])
+        assert asyncio.get_running_loop().time() - started < REPLY_TIMEOUT_S + 0.5
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        assert await pipe.pipeline([("PING",)]) == [b"PONG"]
+    finally:
+        await pipe.close()
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await redis.aclose()
+        await admin.aclose()
+
+
+async def test_a_connection_closed_under_waiting_calls_fails_them_at_once(
+        clean_redis: RedisProcess) -> None:
+    """Redis closes the connection while calls wait (killed, restarted): each gets a
+    ConnectionError at once, not after the reply timeout, and the next call connects again."""
+    admin = Redis.from_url(clean_redis.url)
+    redis = Redis.from_url(clean_redis.url)
+    pipe = ScriptPipe(redis)
+    try:
+        waiting = asyncio.ensure_future(pipe.pipeline([("BLPOP", "nothing", "30")]))
+        behind = asyncio.ensure_future(pipe.pipeline([("PING",)]))
+        await asyncio.sleep(0.2)  # both sent, the first one blocked in Redis
+        started = asyncio.get_running_loop().time()
+        assert await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        for call in (waiting, behind):
+            with pytest.raises(RedisConnectionError):
+                await call
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert await pipe.pipeline([("PING",)]) == [b"PONG"]
+    finally:
+        await pipe.close()
         await redis.aclose()
         await admin.aclose()

@@ -51,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from proxy.runtime.store import Primaries
 
 REPLY_TIMEOUT_S = 2.0
+_PENDING = object()  # hiredis' answer while a reply is still incomplete
 
 
 def resp_command(args: Sequence[Any]) -> bytes:
@@ -150,8 +151,10 @@ class _Link(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         # redis-py keeps the transport behind its StreamWriter (no public accessor).
         self._transport = cast(asyncio.Transport, conn._writer.transport)  # type: ignore[union-attr]
+        # Its own "no whole reply yet" marker: False is a reply under RESP3.
         self._parser = hiredis.Reader(protocolError=InvalidResponse,
-                                      replyError=BaseParser.parse_error)
+                                      replyError=BaseParser.parse_error,
+                                      notEnoughData=_PENDING)
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self._heard = 0.0  # when the last reply came, or the oldest call began to wait
         self._timer: asyncio.TimerHandle | None = None
@@ -172,7 +175,7 @@ class _Link(asyncio.Protocol):
         self._heard = self._loop.time()
         self._parser.feed(data)
         try:
-            while (reply := self._parser.gets()) is not False:
+            while (reply := self._parser.gets()) is not _PENDING:
                 if not self._waiting:
                     raise InvalidResponse("a reply nobody asked for")
                 future = self._waiting.popleft()

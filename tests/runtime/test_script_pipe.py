@@ -129,3 +129,18 @@ async def test_a_connection_closed_under_waiting_calls_fails_them_at_once(
         await pipe.close()
         await redis.aclose()
         await admin.aclose()
+
+
+async def test_a_resp3_connection_is_read_alike(clean_redis: RedisProcess) -> None:
+    """A client whose URL asks for RESP3 (the handshake is redis-py's HELLO 3): replies in the
+    new protocol's framing pair with their calls as before."""
+    redis = Redis.from_url(clean_redis.url, protocol=3)
+    pipe = ScriptPipe(redis)
+    script = redis.register_script("return {1, KEYS[1], false}")
+    try:
+        assert await pipe.pipeline([("HSET", "h", "f", 1), ("HGETALL", "h"), ("PING",)]) == \
+            [1, {b"f": b"1"}, b"PONG"]
+        assert await pipe.call(script, ["k"], []) == [1, b"k", None]  # Lua's false: a null
+    finally:
+        await pipe.close()
+        await redis.aclose()

@@ -39,6 +39,7 @@ import orjson
 
 from loadtests import loadgen, mock, procs, report
 from loadtests.servers import (
+    ROOT,
     Backend,
     Pinning,
     Server,
@@ -192,9 +193,11 @@ def choose_mock(args: argparse.Namespace) -> tuple[str | None, str]:
     return binary, "nginx mock"
 
 
-def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setup:
+def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
+                  root: Path = ROOT) -> Setup:
     """Start what was not given; each start registers its stop on `stack` before anything else
-    can fail, so errors and Ctrl-C never leave a server running."""
+    can fail, so errors and Ctrl-C never leave a server running. `root`: the checkout whose
+    `proxy` the started servers run (loadtests.paired starts a base one beside this one)."""
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gateway-bench-")))
     starting = not args.gateway_url
     pinning = plan_pinning() if starting else None
@@ -204,7 +207,7 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> Setu
     setup = Setup(targets=[], pinning=pinning)
 
     def start(name: str, cmd: list[str]) -> Server:
-        server = Server(name, cmd, workdir / f"{name.split()[0]}.log", load_core)
+        server = Server(name, cmd, workdir / f"{name.split()[0]}.log", load_core, root)
         stack.callback(server.stop)
         setup.servers.append(server)
         return server

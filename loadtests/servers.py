@@ -70,13 +70,14 @@ def child_env() -> dict[str, str]:
 class Server:
     """One child process, its output in a log file."""
 
-    def __init__(self, name: str, args: Sequence[str], log_path: Path, core: int | None) -> None:
+    def __init__(self, name: str, args: Sequence[str], log_path: Path, core: int | None,
+                 root: Path = ROOT) -> None:
         self.name = name
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=ROOT, env=child_env(), start_new_session=True,
+                cwd=root, env=child_env(), start_new_session=True,
                 preexec_fn=_child_setup(core),
             )
 

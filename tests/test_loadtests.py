@@ -69,6 +69,27 @@ def test_bench_quick_run_measures_both_targets_without_errors(tmp_path: Path) ->
     assert took < 40, f"--quick took {took:.0f} s"
 
 
+def test_paired_run_measures_direct_base_and_this_without_errors(tmp_path: Path) -> None:
+    """Two gateways at once (the base given as a folder: this checkout again, so no git is
+    needed), alternating slices; every answer checks out and the difference is measured."""
+    out = tmp_path / "paired.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtests.paired", str(ROOT), "--rounds", "2", "--slice", "0.3",
+         "--rate", "100", "--keys", "5", "--mock", "simulator", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    for target in ("direct", "base", "this"):
+        row = found["targets"][target]
+        assert row["errors"] == 0 and row["requests"] == 2 * 30, (target, row)  # 0.3 s x 100/s
+        assert row["p50_ms"] > 0
+    for q in ("p50_ms", "p99_ms"):
+        diff = found["this_minus_base"][q]
+        assert diff["min"] <= diff["median"] <= diff["max"] and math.isfinite(diff["median"])
+    assert "this - base, p50:" in result.stdout
+
+
 def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> None:
     """`python -m loadtests.routing --quick`: three simulators and a two-worker gateway per pick;
     every pick streams its requests without an error and the engines' counters were read."""

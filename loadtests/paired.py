@@ -1,0 +1,170 @@
+"""Paired comparison: this checkout's gateway against a base one, in one run, under one load.
+
+    python -m loadtests.paired BASE [--rounds 10] [--slice 2] [--rate 1000] [--keys 200]
+                                    [--mock auto|nginx|simulator] [--json PATH]
+
+Whole runs of `loadtests.bench` wander by 0.1 to 0.2 ms at the median on a shared 2-core machine,
+more than most changes move it. Here both gateways run at once, each as the benchmark starts it
+(its own upstream mock and redis-servers; its one worker pinned alone on the worker core, only
+one of the two loaded at a time), and open-loop slices alternate between direct, base and this,
+round after round, in ABBA order. A change's effect is the median over rounds of (this - base),
+each pair measured seconds apart: about ±0.05 ms here.
+
+BASE is a git ref, checked out into a temporary worktree that is removed afterwards, or the
+folder of another checkout. The keys are made by this checkout's code, so the base must share
+its key and ledger formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtests import bench, loadgen
+from loadtests.servers import ROOT, ServerFailed
+
+TARGETS = ("direct", "base", "this")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.paired",
+                                description="This checkout's gateway against a base one, "
+                                "alternating open-loop slices in one run.")
+    p.add_argument("base", help="a git ref (e.g. HEAD, main~1) or another checkout's folder")
+    p.add_argument("--rounds", type=int, default=10, help="slices per target (default 10)")
+    p.add_argument("--slice", type=float, default=2.0, help="seconds per slice (default 2)")
+    p.add_argument("--rate", type=float, default=bench.TARGET_RATE,
+                   help="requests/s of every slice (default 1000)")
+    p.add_argument("--keys", type=int, default=200, help="API keys per gateway (default 200)")
+    p.add_argument("--mock", choices=("auto", "nginx", "simulator"), default="auto",
+                   help="the upstream mock (default: nginx when installed)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    if min(args.rounds, args.keys) < 1 or args.slice <= 0 or args.rate <= 0:
+        p.error("--rounds, --keys, --slice and --rate must be positive")
+    return args
+
+
+@contextlib.contextmanager
+def checkout(base: str) -> Iterator[Path]:
+    """The base's folder: given, or a temporary git worktree of the ref."""
+    if Path(base).is_dir():
+        yield Path(base).resolve()
+        return
+    folder = Path(tempfile.mkdtemp(prefix="gateway-paired-")) / "base"
+    try:
+        subprocess.run(["git", "worktree", "add", "--detach", str(folder), base], cwd=ROOT,
+                       check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(folder.parent, ignore_errors=True)
+        raise ServerFailed(f"git worktree add {base}: {exc.stderr.strip()}") from None
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT,
+                       check=False, capture_output=True)
+        shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+async def measure(args: argparse.Namespace, targets: dict[str, loadgen.Target], body: bytes,
+                  warmup_s: float) -> dict[str, list[loadgen.Tally]]:
+    """`args.rounds` open-loop slices per target, the order reversed every other round."""
+    slices: dict[str, list[loadgen.Tally]] = {name: [] for name in targets}
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {name: await stack.enter_async_context(loadgen.new_session(1024))
+                    for name in targets}
+
+        async def one(name: str, seconds: float, tally: loadgen.Tally) -> None:
+            await loadgen.run_open_loop(sessions[name], targets[name], body, loadgen.chat_once,
+                                        rate=args.rate, duration_s=seconds, tally=tally)
+
+        for name in targets:  # opens the pooled connections; results discarded
+            await one(name, warmup_s, loadgen.Tally())
+        for i in range(args.rounds):
+            for name in TARGETS if i % 2 == 0 else reversed(TARGETS):
+                tally = loadgen.Tally()
+                await one(name, args.slice, tally)
+                slices[name].append(tally)
+    return slices
+
+
+def figures(slices: dict[str, list[loadgen.Tally]]) -> dict[str, Any]:
+    """Per target the median of its slices' p50 and p99; per round this - base."""
+    def pct(tally: loadgen.Tally, q: float) -> float:
+        return loadgen.percentile(tally.latencies_s, q) * 1000 if tally.latencies_s else math.nan
+
+    out: dict[str, Any] = {"targets": {}, "this_minus_base": {}}
+    for name, tallies in slices.items():
+        out["targets"][name] = {
+            "p50_ms": statistics.median(pct(t, 50) for t in tallies),
+            "p99_ms": statistics.median(pct(t, 99) for t in tallies),
+            "requests": sum(len(t.latencies_s) for t in tallies),
+            "errors": sum(sum(t.errors.values()) for t in tallies),
+        }
+    for q in (50, 99):
+        diffs = [pct(this, q) - pct(base, q)
+                 for this, base in zip(slices["this"], slices["base"], strict=True)]
+        out["this_minus_base"][f"p{q}_ms"] = {
+            "median": statistics.median(diffs), "min": min(diffs), "max": max(diffs)}
+    return out
+
+
+
+def render(args: argparse.Namespace, base: str, found: dict[str, Any]) -> str:
+    lines = [f"Paired: this checkout vs base {base}, {args.rounds} rounds of {args.slice:g} s "
+             f"open-loop slices at {args.rate:,.0f} req/s (direct, base, this; ABBA)", "",
+             f"{'target':8}  {'p50 ms':>8}  {'p99 ms':>8}  {'requests':>9}  {'errors':>6}"]
+    for name in TARGETS:
+        row = found["targets"][name]
+        lines.append(f"{name:8}  {row['p50_ms']:8.3f}  {row['p99_ms']:8.3f}  "
+                     f"{row['requests']:9,}  {row['errors']:6}")
+    lines.append("")
+    for q in ("p50", "p99"):
+        d = found["this_minus_base"][f"{q}_ms"]
+        lines.append(f"this - base, {q}: {d['median']:+.3f} ms (median of the rounds; "
+                     f"{d['min']:+.3f} to {d['max']:+.3f})")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench_args = bench.parse_args(["--phases", "open_loop", "--rate", str(args.rate),
+                                   "--keys", str(args.keys), "--mock", args.mock])
+    body = loadgen.chat_body(bench_args.model, stream=False, max_tokens=bench.MAX_TOKENS)
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        with checkout(args.base) as base_root, contextlib.ExitStack() as stack:
+            targets: dict[str, loadgen.Target] = {}
+            for name, root in (("base", base_root), ("this", ROOT)):
+                if cores is not None:  # each start pins this driver to the load core
+                    os.sched_setaffinity(0, cores)
+                setup = bench.start_servers(bench_args, stack, root=root)
+                targets.setdefault("direct", setup.targets[0])
+                targets[name] = setup.targets[1]
+            found = figures(bench.run_async(measure(args, targets, body, bench_args.warmup)))
+    except KeyboardInterrupt:
+        print("paired: interrupted; the servers it started are stopped", file=sys.stderr)
+        return 130
+    except ServerFailed as exc:
+        print(f"paired: {exc}", file=sys.stderr)
+        return 2
+    print(render(args, args.base, found))
+    if args.json:
+        args.json.write_bytes(orjson.dumps(found, option=orjson.OPT_INDENT_2))
+    return 1 if any(row["errors"] for row in found["targets"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

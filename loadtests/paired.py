@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -140,6 +141,8 @@ def render(args: argparse.Namespace, base: str, found: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the servers stop and the base's worktree is removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     bench_args = bench.parse_args(["--phases", "open_loop", "--rate", str(args.rate),
                                    "--keys", str(args.keys), "--mock", args.mock])
     body = loadgen.chat_body(bench_args.model, stream=False, max_tokens=bench.MAX_TOKENS)

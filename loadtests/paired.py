@@ -122,9 +122,8 @@ def figures(slices: dict[str, list[loadgen.Tally]]) -> dict[str, Any]:
     return out
 
 
-
-def render(args: argparse.Namespace, base: str, found: dict[str, Any]) -> str:
-    lines = [f"Paired: this checkout vs base {base}, {args.rounds} rounds of {args.slice:g} s "
+def render(args: argparse.Namespace, found: dict[str, Any]) -> str:
+    lines = [f"Paired: this checkout vs base {args.base}, {args.rounds} rounds of {args.slice:g} s "
              f"open-loop slices at {args.rate:,.0f} req/s (direct, base, this; ABBA)", "",
              f"{'target':8}  {'p50 ms':>8}  {'p99 ms':>8}  {'requests':>9}  {'errors':>6}"]
     for name in TARGETS:
@@ -163,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerFailed as exc:
         print(f"paired: {exc}", file=sys.stderr)
         return 2
-    print(render(args, args.base, found))
+    print(render(args, found))
     if args.json:
         args.json.write_bytes(orjson.dumps(found, option=orjson.OPT_INDENT_2))
     return 1 if any(row["errors"] for row in found["targets"].values()) else 0

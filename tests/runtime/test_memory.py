@@ -9,7 +9,6 @@ import sys
 import pytest
 
 BURST = """
-import sys
 from proxy.runtime import memory
 
 def rss_mb() -> float:
@@ -37,4 +36,3 @@ def test_trim_gives_a_burst_s_freed_memory_back() -> None:
     before, after, trimmed = float(out[0]), float(out[1]), out[2]
     assert trimmed == "True"
     assert before - after > 20, (before, after)  # most of the 40 MB burst
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import orjson
@@ -116,18 +116,21 @@ def _page_size(text: str) -> int:
 
 
 def summarize(totals: dict[str, int]) -> dict[str, Any]:
-    """The settle script's running totals (`all|…`, `m|<model>|…`, `d|<day>|…`) as the API
-    shows them. Pure."""
+    """The settle script's running totals (`m|<model>|…`, `d|<day>|…`) as the API shows them;
+    the all-time totals are the days' sum. Pure."""
     scopes: dict[str, dict[str, int]] = defaultdict(dict)
+    everything: Counter[str] = Counter()
     for field, value in totals.items():
         scope, _, name = field.rpartition("|")
         scopes[scope][name] = value
+        if scope.startswith("d|"):
+            everything[name] += value
     by_model = {scope[2:]: _view(v) for scope, v in sorted(scopes.items())
                 if scope.startswith("m|")}
     by_day = {time.strftime("%Y-%m-%d", time.gmtime(int(scope[2:]) * 86400)): _view(v)
               for scope, v in sorted(scopes.items(), key=lambda kv: kv[0])
               if scope.startswith("d|")}
-    return {"totals": _view(scopes.get("all", {})), "by_model": by_model,
+    return {"totals": _view(everything), "by_model": by_model,
             "by_day": dict(sorted(by_day.items()))}
 
 

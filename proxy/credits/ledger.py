@@ -7,9 +7,10 @@ Per account A (keys share the hash tag `{A}`, so each script stays in one Cluste
     igw:{A}:holds     hash    hold id -> amount held
     igw:{A}:hold_exp  zset    hold id -> expiry (unix seconds on Redis' clock)
     igw:{A}:journal   stream  one entry per credit and one terminal entry per hold
-    igw:{A}:usage     hash    running totals: all|…, m|<model>|…, d|<day number>|… (requests,
-                              cost, and each unit used: prompt_tokens, completion_tokens,
-                              characters, audio_ms, images, video_ms), kept by the settle script
+    igw:{A}:usage     hash    running totals: m|<model>|…, d|<day number>|… (requests, cost,
+                              and each unit used: prompt_tokens, completion_tokens, characters,
+                              audio_ms, images, video_ms), kept by the settle script; the
+                              all-time totals are the days' sum
     igw:{A}:ended     zset    hold and top-up ids done in the last two minutes (a retried settle
                               or top-up whose reply was lost changes nothing)
     igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from proxy.config import Rates
-from proxy.credits.ledger import InsufficientCredits, Ledger
+from proxy.credits.ledger import AccountKeys, InsufficientCredits, Ledger
 from proxy.credits.pricing import (
     ChatUsage,
     chat_cost,
@@ -92,6 +92,33 @@ async def test_hold_settle_release_exactly_once(ledger: Ledger) -> None:
     balance = await ledger.balance("acme")
     assert (balance.available, balance.held, balance.spent) == (600, 0, 400)
     assert await ledger.reconcile() == []
+
+
+async def test_admission_script_refusals_change_nothing(ledger: Ledger) -> None:
+    """admit.lua claims the hold and takes the amount before it knows the balance covers it;
+    a refusal must give both back (and a hold id seen before must not be held twice)."""
+    await ledger.credit("acme", 1000, {})
+    keys = AccountKeys.of("acme")
+    admit_keys = [keys.window("none"), keys.balance, keys.holds, keys.hold_expiry]
+
+    async def admit(hold_id: str, amount: int) -> list[int]:
+        return [int(v) for v in await ledger.admit_script(keys=admit_keys,
+                                                          args=[0, 0, hold_id, amount, 60])]
+
+    assert await admit("h1", 300) == [1, -1, 0, 700]
+    assert await admit("h1", 300) == [3, -1, 0, 0]  # the same id again: not held twice
+    assert await admit("h2", 701) == [2, -1, 0, 700]  # short: refused, with what is there
+    balance = await ledger.balance("acme")
+    assert (balance.available, balance.held) == (700, 300)
+    assert list(await ledger.open_holds("acme")) == ["h1"]
+    assert await ledger.reconcile() == []
+    # An account that was never credited is refused alike, and left with nothing held.
+    with pytest.raises(InsufficientCredits) as refused:
+        await ledger.hold("nobody", 1, ttl_s=60)
+    assert refused.value.available == 0
+    assert await ledger.open_holds("nobody") == {}
+    nobody = await ledger.balance("nobody")
+    assert (nobody.available, nobody.held, nobody.spent) == (0, 0, 0)
 
 
 async def test_expired_holds_are_swept(ledger: Ledger) -> None:

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from proxy.api.account import summarize
 from proxy.config import ConfigError, load_config
 from proxy.credits.ledger import AccountKeys, Ledger, lua_script, settle_call
 from proxy.credits.settler import Settler
@@ -407,3 +408,17 @@ async def test_a_retried_top_up_is_applied_once(clean_redis: RedisProcess) -> No
         assert await ledger.reconcile(["acme"]) == []
     finally:
         await redis.aclose()
+
+
+def test_all_time_totals_are_the_days_sum() -> None:
+    """The settle script keeps totals per day and per model only; the all-time figures are the
+    days added up (a field of the retired `all|` scope left by an older version is ignored)."""
+    totals = {"d|20000|requests": 2, "d|20000|cost": 30, "d|20000|prompt_tokens": 7,
+              "d|20001|requests": 1, "d|20001|cost": 12, "d|20001|audio_ms": 1500,
+              "m|tiny|requests": 3, "m|tiny|cost": 42, "all|requests": 99}
+    view = summarize(totals)
+    assert view["totals"]["requests"] == 3 and view["totals"]["prompt_tokens"] == 7
+    assert view["totals"]["cost"] == summarize({"d|1|cost": 42})["totals"]["cost"]
+    assert view["totals"]["audio_seconds"] == 1.5
+    assert list(view["by_day"]) == ["2024-10-04", "2024-10-05"]
+    assert view["by_model"]["tiny"]["requests"] == 3

@@ -27,18 +27,24 @@ if limit > 0 then
   end
   local member = now[1] .. '.' .. now[2]
   while redis.call('ZADD', KEYS[1], 'NX', now_ms, member) == 0 do member = member .. '+' end
-  redis.call('PEXPIRE', KEYS[1], window)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   remaining = limit - count - 1
   reset = tonumber(oldest[2]) + window - now_ms
 end
 if ARGV[3] == '' then return {1, remaining, reset, 0} end
-if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return {3, remaining, reset, 0} end
+-- Every redis.call costs about a microsecond warm and several on a busy core, so the common
+-- path is written in as few as it takes: the hold is claimed and the amount taken first, and
+-- both are given back in the rare refusal (no one sees the difference: the script is atomic).
+-- Figures go as the strings they came in where they can (Lua formats a number with sprintf).
 local amount = tonumber(ARGV[4])
-local available = tonumber(redis.call('HGET', KEYS[2], 'available') or '0')
-if available < amount then return {2, remaining, reset, available} end
-redis.call('HINCRBY', KEYS[2], 'available', 0 - amount)  -- never -0
-redis.call('HINCRBY', KEYS[2], 'held', amount)
-redis.call('HSET', KEYS[3], ARGV[3], amount)
+if redis.call('HSETNX', KEYS[3], ARGV[3], ARGV[4]) == 0 then return {3, remaining, reset, 0} end
+local left = redis.call('HINCRBY', KEYS[2], 'available', 0 - amount)  -- never -0
+if left < 0 then
+  redis.call('HINCRBY', KEYS[2], 'available', ARGV[4])
+  redis.call('HDEL', KEYS[3], ARGV[3])
+  return {2, remaining, reset, left + amount}
+end
+redis.call('HINCRBY', KEYS[2], 'held', ARGV[4])
 redis.call('ZADD', KEYS[4], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
-return {1, remaining, reset, available - amount}
+return {1, remaining, reset, left}

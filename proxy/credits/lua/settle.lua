@@ -13,45 +13,46 @@
 --       entries kept, journal ttl s (0: none), then pairs of (usage unit, count) that the
 --       running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...)
 -- Returns the charge, or -1 when there was nothing to do (the hold had already ended).
+--
+-- Figures go to redis.call as the strings they came in where they can: Lua turns a number into
+-- a string with sprintf on every call, a measurable share of this script's cost.
 local now = redis.call('TIME')
 local cost = tonumber(ARGV[2])
-local charge, held = 0, 0
-local recovered = 0
+local charge, held = 0, '0'
+local recovered = '0'
 if ARGV[1] ~= '' then
-  if redis.call('ZSCORE', KEYS[6], ARGV[1]) then return -1 end
-  held = redis.call('HGET', KEYS[2], ARGV[1])
+  held = redis.call('HGET', KEYS[2], ARGV[1])  -- a hold still there has not ended
   if not held then
+    if redis.call('ZSCORE', KEYS[6], ARGV[1]) then return -1 end
     if cost <= 0 then return -1 end
-    held = tonumber(ARGV[3])
+    held = ARGV[3]
     local available = tonumber(redis.call('HGET', KEYS[1], 'available') or '0')
-    charge = math.max(0, math.min(cost, held, available))
-    recovered = 1
-    redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)
-    redis.call('HINCRBY', KEYS[1], 'spent', charge)
+    charge = math.max(0, math.min(cost, tonumber(held), available))
+    recovered = '1'
   else
-    held = tonumber(held)
-    charge = math.max(0, math.min(cost, held))
+    charge = math.max(0, math.min(cost, tonumber(held)))
     redis.set_repl(redis.REPL_NONE)
-    redis.call('HINCRBY', KEYS[1], 'held', 0 - held)
+    redis.call('HINCRBY', KEYS[1], 'held', 0 - tonumber(held))
     redis.call('HINCRBY', KEYS[1], 'available', held)
     redis.call('HDEL', KEYS[2], ARGV[1])
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.set_repl(redis.REPL_ALL)
-    redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)
-    redis.call('HINCRBY', KEYS[1], 'spent', charge)
   end
+  redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)  -- never -0
+  redis.call('HINCRBY', KEYS[1], 'spent', charge)
   -- Ended ids are kept two minutes: longer than any retry of a settlement.
-  redis.call('ZADD', KEYS[6], tonumber(now[1]), ARGV[1])
+  redis.call('ZADD', KEYS[6], now[1], ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', tonumber(now[1]) - 120)
 end
+local charge_text = tostring(charge)
 local keep = tonumber(ARGV[7])
 if ARGV[1] == '' then
   -- No money moved: an approximately trimmed stream is exact enough.
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', keep, '*', 'type', 'usage', 'cost', 0,
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'type', 'usage', 'cost', '0',
              'status', ARGV[4], 'details', ARGV[6])
 else
   redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', ARGV[1], 'held', held,
-             'cost', charge, 'status', ARGV[4], 'recovered', recovered, 'details', ARGV[6])
+             'cost', charge_text, 'status', ARGV[4], 'recovered', recovered, 'details', ARGV[6])
   -- Money entries beyond the retention move into the balance's checkpoint first, so the
   -- journal plus the checkpoint still add up to the balance (see Ledger.reconcile).
   if redis.call('XLEN', KEYS[4]) > keep + 100 then
@@ -72,14 +73,16 @@ else
     redis.call('HINCRBY', KEYS[1], 'trimmed_credited', credited)
     redis.call('HINCRBY', KEYS[1], 'trimmed_spent', spent)
   end
-  local scopes = {'all|', 'd|' .. math.floor(tonumber(now[1]) / 86400) .. '|'}
-  if ARGV[5] ~= '' then scopes[3] = 'm|' .. ARGV[5] .. '|' end
+  -- Per day and per model; the all-time totals are the sum of the days (summed when read:
+  -- four calls fewer here, on every request).
+  local scopes = {'d|' .. math.floor(tonumber(now[1]) / 86400) .. '|'}
+  if ARGV[5] ~= '' then scopes[2] = 'm|' .. ARGV[5] .. '|' end
   for _, scope in ipairs(scopes) do
-    redis.call('HINCRBY', KEYS[5], scope .. 'requests', 1)
+    redis.call('HINCRBY', KEYS[5], scope .. 'requests', '1')
     for i = 9, #ARGV - 1, 2 do
-      redis.call('HINCRBY', KEYS[5], scope .. ARGV[i], tonumber(ARGV[i + 1]))
+      redis.call('HINCRBY', KEYS[5], scope .. ARGV[i], ARGV[i + 1])
     end
-    redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge)
+    redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge_text)
   end
 end
 local ttl = tonumber(ARGV[8])

@@ -3,14 +3,14 @@
 A request's line is built from its `Trace`, encoded (orjson, ~1 µs) and handed to a queue; a
 thread of its own writes whatever has queued up (stderr or a file) through the file's buffer, so a
 slow disk or a full pipe never stalls the event loop, and a busy gateway pays a system call per
-8 KB of lines, not per line. Lines wait as bytes (~350 B each), not as dicts (~850 B), and the
-thread joins no copy of a batch: memory it allocates lands in a malloc arena of its own, which
-the process keeps (a batch joined there, and orjson's 4 KB buffers, once cost the worker ~8 MB
-of RSS under load). `QUEUE_MAX` bounds what a writer that falls behind can hold. A line holds
-the request id, method, route template, model, tier, account, status, error type, latency, time
-to first byte, backend, stream outcome, units and credits; never a key, a token, a header or
-anything from a body. `[gateway] access_log` picks where it goes ("stderr", "off" or a
-file path; a file is reopened when logrotate moves it).
+4 KB of lines (stderr; 8 KB to a file), not per line. Lines wait as bytes (~350 B each), not as
+dicts (~850 B), and the thread joins no copy of a batch: memory it allocates lands in a malloc
+arena of its own, which the process keeps (a batch joined there, and orjson's 4 KB buffers, once
+cost the worker ~8 MB of RSS under load). `QUEUE_MAX` bounds what a writer that falls behind
+can hold. A line holds the request id, method, route template, model, tier, account, status,
+error type, latency, time to first byte, backend, stream outcome, units and credits; never a key,
+a token, a header or anything from a body. `[gateway] access_log` picks where it goes
+("stderr", "off" or a file path; a file is reopened when logrotate moves it).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import sys
 import threading
 import time
@@ -121,7 +122,7 @@ class _Output:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.file: BinaryIO = sys.stderr.buffer if path is None else self._open()
+        self.file: BinaryIO = _buffered_stderr() if path is None else self._open()
 
     def _open(self) -> BinaryIO:
         assert self.path is not None
@@ -144,6 +145,12 @@ class _Output:
             return True
 
     def close(self) -> None:
-        if self.path is not None:
-            with contextlib.suppress(OSError, ValueError):  # what a failed write left buffered
-                self.file.close()
+        with contextlib.suppress(OSError, ValueError):  # what a failed write left buffered
+            self.file.close()  # (stderr's own descriptor stays open)
+
+
+def _buffered_stderr() -> BinaryIO:
+    """fd 2 through a buffer of its own. `sys.stderr.buffer` has none: every line would be a
+    system call, each one handing the GIL back and forth with the event loop. PIPE_BUF bytes
+    at most per write keeps each write whole on a pipe shared with other writers."""
+    return open(sys.stderr.fileno(), "wb", buffering=select.PIPE_BUF, closefd=False)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp.test_utils import TestServer, make_mocked_request
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -203,6 +206,38 @@ async def test_access_log_lines(simulator: SimulatorFactory, gateway: GatewayFac
         await asyncio.sleep(0.02)
     assert [orjson.loads(line)["request_id"] for line in path.read_bytes().splitlines()] == [
         "client-req-5"]
+
+
+_STDERR_LOG = """
+import sys
+from aiohttp.test_utils import make_mocked_request
+from proxy.observe.access_log import AccessLog
+from proxy.observe.trace import Trace
+
+def writes() -> int:  # write system calls made by this process so far
+    with open("/proc/self/io") as io:
+        return int(next(line for line in io if line.startswith("syscw:")).split()[1])
+
+log = AccessLog("stderr", ".")
+log.start()
+request = make_mocked_request("POST", sys.argv[1])
+before = writes()
+for i in range(400):
+    log.write(request, Trace(sys.argv[2]), 200, f"req-{i}")
+log.stop()
+print(writes() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts writes in /proc/self/io")
+def test_access_log_to_stderr_writes_batches_not_lines() -> None:
+    """stderr (the default) has no buffer of its own in Python; the log gives it one, so 400
+    lines (~40 KB) take a few writes, not 400, and every line arrives whole."""
+    done = subprocess.run([sys.executable, "-c", _STDERR_LOG, CHAT, ROUTE], capture_output=True,
+                          check=True, cwd=Path(__file__).parents[2], timeout=60)
+    lines = [orjson.loads(line) for line in done.stderr.splitlines()]
+    assert [line["request_id"] for line in lines] == [f"req-{i}" for i in range(400)]
+    assert int(done.stdout) < 40  # ~100 lines per 4 KB write (and stop's print, if counted)
 
 
 def test_a_writer_that_cannot_keep_up_drops_lines_and_counts_them(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 A request queues its writes (each one Redis command) and is done: no task, no await, so a
 cancelled request still settles. One background task flushes whatever has queued as one
-pipeline (packed by hand on a connection of its own per primary, proxy.runtime.script_pipe:
+pipeline (written straight to a connection of its own per primary, proxy.runtime.script_pipe:
 redis-py's pipeline cost ~30 µs of CPU per settlement), at most every
 `FLUSH_INTERVAL_S`: one round trip and, with `appendfsync always`, one fsync shared by every
 request that finished meanwhile. Redis fsyncs on its main thread, so every admission waits out an
@@ -59,7 +59,7 @@ class Settler:
         self._ack_replicas = ack_replicas
         self._scripts = tuple(scripts)
         self._metrics = metrics
-        self._pipes = ScriptPipes(primaries)  # one connection per primary, packed by hand
+        self._pipes = ScriptPipes(primaries)  # one connection per primary
         self._queue: list[Write] = []
         self._flushing = 0
         self._wake = asyncio.Event()

@@ -4,7 +4,7 @@ Every request's admission is one EVALSHA (`call`); the settler's batches are one
 commands (`pipeline`). Through redis-py's client each call costs ~60 µs of CPU (pool checkout,
 a timeout task per write, retry and encoding wrappers). Here redis-py makes the connection and
 its handshake (TLS, AUTH, SELECT: whatever the client's URL asks for), then the pipe takes its
-transport over: each command is packed by `resp_command` and written at once, and the replies
+transport over: each command is packed (hiredis) and written at once, and the replies
 are parsed as they arrive (hiredis, redis-py's own error classes) straight into the futures of
 the calls waiting for them, oldest first (Redis answers a connection's commands in the order
 they came). No reader task and no stream buffer sit between the socket and the caller: at
@@ -55,20 +55,12 @@ _PENDING = object()  # hiredis' answer while a reply is still incomplete
 
 
 def resp_command(args: Sequence[Any]) -> bytes:
-    """One command in Redis' wire format, as redis-py's packer writes it (bytes as they are,
-    text as UTF-8, numbers by repr) at a third of its cost: this runs once per request."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int | float) and not isinstance(arg, bool):
-            data = repr(arg).encode()
-        else:
-            raise DataError(f"cannot send a {type(arg).__name__} to Redis")
-        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(out)
+    """One command in Redis' wire format, packed by hiredis as redis-py packs it when hiredis is
+    installed (~0.8 µs; a packer in Python took ~2.8): this runs once per request."""
+    try:
+        return cast(bytes, hiredis.pack_command(tuple(args)))
+    except TypeError as exc:  # a bool, None, a list: nothing Redis takes
+        raise DataError(str(exc)) from None
 
 
 class ScriptPipe:

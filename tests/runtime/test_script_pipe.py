@@ -1,4 +1,4 @@
-"""Admission's own command packer writes exactly what redis-py's does (pure, no server); the
+"""Admission's command packer writes exactly what redis-py's pure-Python one does (no server); the
 pipe's batches and its bounded handshake against a real redis-server."""
 
 from __future__ import annotations

@@ -44,13 +44,13 @@ if ARGV[1] ~= '' then
   redis.call('ZADD', KEYS[6], now[1], ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', tonumber(now[1]) - 120)
 end
-local charge_text = tostring(charge)
 local keep = tonumber(ARGV[7])
 if ARGV[1] == '' then
   -- No money moved: an approximately trimmed stream is exact enough.
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'type', 'usage', 'cost', '0',
              'status', ARGV[4], 'details', ARGV[6])
 else
+  local charge_text = tostring(charge)  -- formatted once for the entry and the totals
   redis.call('XADD', KEYS[4], '*', 'type', 'charge', 'hold', ARGV[1], 'held', held,
              'cost', charge_text, 'status', ARGV[4], 'recovered', recovered, 'details', ARGV[6])
   -- Money entries beyond the retention move into the balance's checkpoint first, so the

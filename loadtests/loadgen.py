@@ -2,10 +2,11 @@
 
 - closed loop (`run_round`): a fixed number of workers, each sending its next request as soon as
   the previous one is done: the highest rate the target sustains at that concurrency.
-- open loop (`run_open_loop`): requests start on a fixed schedule (request i at start + i/rate),
-  whether or not earlier ones have finished; latency runs from the *scheduled* start, so queueing
-  anywhere (in the target or in this client) counts. The client's own lateness (actual start
-  minus scheduled start) is recorded as `lags_s`, so a client that cannot keep up shows.
+- open loop (`run_open_loop`): requests start on a fixed schedule (request i at start + i/rate,
+  never before: `loadtests.clock`), whether or not earlier ones have finished; latency runs from
+  the *scheduled* start, so queueing anywhere (in the target or in this client) counts. The
+  client's own lateness (actual start minus scheduled start) is recorded as `lags_s`, so a
+  client that cannot keep up shows.
 - held streams (`hold_streams`): N streams opened and kept open, for the memory figure.
 
 Every response is checked by `loadtests.checks`; a failed check is counted as an error under a
@@ -27,6 +28,7 @@ import aiohttp
 import orjson
 
 from loadtests.checks import StreamCheck, completion_problem
+from loadtests.clock import Clock
 
 # Generous: the upstream mocks answer instantly, so anything near this is a hang worth an error.
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=10)
@@ -165,14 +167,13 @@ async def run_open_loop(
     tasks: set[asyncio.Task[None]] = set()
     cpu_start = time.process_time()
     start = time.perf_counter() + 0.002
-    for i in range(count):
-        due = start + i * interval
-        delay = due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(request(session, target, body, tally, due))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    with contextlib.closing(Clock()) as clock:
+        for i in range(count):
+            due = start + i * interval
+            await clock.until(due)
+            task = asyncio.create_task(request(session, target, body, tally, due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
     if tasks:
         await asyncio.wait(tasks)
     tally.elapsed_s += time.perf_counter() - start

@@ -40,6 +40,7 @@ import orjson
 
 from loadtests import loadgen, procs
 from loadtests.bench import run_async
+from loadtests.clock import Clock
 from loadtests.servers import (
     Backend,
     Server,
@@ -422,16 +423,15 @@ async def drive(run: PickRun, target: loadgen.Target, sims: Sequence[str],
             run.load_average = (run.load_average[0], os.getloadavg()[0])
 
         watcher = asyncio.create_task(watch())
-        for item in schedule:
-            due = start + item.offset_s
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tally = warm if item.offset_s < warmup_s else run.tally
-            task = asyncio.create_task(loadgen.stream_once(session, target, item.body, tally,
-                                                           due))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        with contextlib.closing(Clock()) as clock:
+            for item in schedule:
+                due = start + item.offset_s
+                await clock.until(due)
+                tally = warm if item.offset_s < warmup_s else run.tally
+                task = asyncio.create_task(loadgen.stream_once(session, target, item.body,
+                                                               tally, due))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
         await watcher
         if tasks:
             await asyncio.wait(tasks)

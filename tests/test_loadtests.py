@@ -9,6 +9,8 @@ skipped where nginx is not installed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import os
@@ -22,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loadtests import loadgen, mock, report
+from loadtests import clock, loadgen, mock, report
 from loadtests.checks import StreamCheck, completion_problem
 from loadtests.servers import Server, free_port, nginx_args, nginx_binary, wait_ready
 from tests.conftest import GENEROUS_TIERS, MODEL, write_config
@@ -214,8 +217,36 @@ async def test_open_loop_keeps_the_schedule_and_times_from_it() -> None:
     assert summary["requests"] == 100 and summary["errors"] == 0
     assert len(tally.lags_s) == 100
     assert took >= 99 / 400  # the last request was not sent before its time
+    assert min(tally.lags_s) >= 0  # nor any other
     assert all(lat >= lag for lat, lag in zip(sorted(tally.latencies_s), sorted(tally.lags_s),
                                               strict=True))
+
+
+@pytest.mark.parametrize("precise", [True, False], ids=["timerfd", "sleeps"])
+def test_the_clock_on_uvloop_is_never_early(precise: bool) -> None:
+    """uvloop's millisecond timers ended sleeps up to ~1 ms early, so open-loop requests started
+    before their due time and their latencies came out short. Both ways of waiting (a timerfd on
+    Linux, sleeping again elsewhere) return only once the due time has passed."""
+    if precise and not clock.PRECISE:
+        pytest.skip("timerfd: Linux only")
+    seen: list[tuple[float, float]] = []
+
+    async def run() -> None:
+        start = time.perf_counter()
+        with contextlib.closing(clock.Clock(precise)) as waits:
+            for i in range(300):
+                due = start + i / 2000
+                await waits.until(due)
+                seen.append((due, time.perf_counter()))
+                if i % 3 == 0:  # a loop kept busy now and then, as under load
+                    busy_until = time.perf_counter() + 0.0007
+                    while time.perf_counter() < busy_until:
+                        pass
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
+    assert len(seen) == 300
+    assert all(at >= due for due, at in seen)
 
 
 def _summary(**values: Any) -> dict[str, Any]:

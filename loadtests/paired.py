@@ -3,12 +3,13 @@
     python -m loadtests.paired BASE [--rounds 10] [--slice 2] [--rate 1000] [--keys 200]
                                     [--mock auto|nginx|simulator] [--json PATH]
 
-Whole runs of `loadtests.bench` wander by 0.1 to 0.2 ms at the median on a shared 2-core machine,
-more than most changes move it. Here both gateways run at once, each as the benchmark starts it
-(its own upstream mock and redis-servers; its one worker pinned alone on the worker core, only
-one of the two loaded at a time), and open-loop slices alternate between direct, base and this,
-round after round, in ABBA order. A change's effect is the median over rounds of (this - base),
-each pair measured seconds apart: ±0.05 to 0.1 ms here (repeat a run before trusting less).
+Whole runs of `loadtests.bench` wander at the median on a shared 2-core machine (~0.05 ms, more
+on a busy day), as much as most changes move it. Here both gateways run at once, each as the
+benchmark starts it (its own upstream mock and redis-servers; its one worker pinned alone on the
+worker core, only one of the two loaded at a time), and open-loop slices alternate between
+direct, base and this, round after round, in ABBA order. A change's effect is the median over
+rounds of (this - base), each pair measured seconds apart: ±0.05 to 0.1 ms here (repeat a run
+before trusting less).
 
 BASE is a git ref, checked out into a temporary worktree that is removed afterwards, or the
 folder of another checkout. The keys are made by this checkout's code, so the base must share

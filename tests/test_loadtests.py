@@ -28,7 +28,7 @@ import uvloop
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loadtests import clock, loadgen, mock, report
+from loadtests import clock, loadgen, mock, procs, report
 from loadtests.checks import StreamCheck, completion_problem
 from loadtests.servers import Server, free_port, nginx_args, nginx_binary, wait_ready
 from tests.conftest import GENEROUS_TIERS, MODEL, write_config
@@ -247,6 +247,37 @@ def test_the_clock_on_uvloop_is_never_early(precise: bool) -> None:
         runner.run(run())
     assert len(seen) == 300
     assert all(at >= due for due, at in seen)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning: Linux only")
+def test_core_times_count_a_busy_core_as_busy() -> None:
+    """This thread spins 0.3 s pinned to one core: that core reads at least that busy (the
+    tick-sampled /proc/stat misread a load that kept time with the tick)."""
+    core = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        before = procs.core_times()
+        spin_until = time.perf_counter() + 0.3
+        while time.perf_counter() < spin_until:
+            pass
+        after = procs.core_times()
+    finally:
+        os.sched_setaffinity(0, saved)
+    busy = after[core][0] - before[core][0]
+    total = after[core][1] - before[core][1]
+    assert 0.25 <= busy <= total + 0.01
+
+
+def test_idle_seconds_need_every_cpu(tmp_path: Path) -> None:
+    for cpu in range(os.cpu_count() or 1):
+        for state, micros in (("state0", 1_000), ("state1", 2_500_000)):
+            (tmp_path / f"cpu{cpu}" / "cpuidle" / state).mkdir(parents=True)
+            (tmp_path / f"cpu{cpu}" / "cpuidle" / state / "time").write_text(f"{micros}\n")
+    assert procs._idle_seconds(tmp_path) == {cpu: 2.501 for cpu in range(os.cpu_count() or 1)}
+    for state in ("state0", "state1"):  # one CPU without the counters: none are used
+        (tmp_path / "cpu0" / "cpuidle" / state / "time").unlink()
+    assert procs._idle_seconds(tmp_path) == {}
 
 
 def _summary(**values: Any) -> dict[str, Any]:

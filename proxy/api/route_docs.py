@@ -491,6 +491,7 @@ TTS_PRESETS: Final = Doc(
 )
 _ACCOUNT_ERRORS: Final = {401: error("gateway", 401, "No key or token, or not a valid one "
                                                      "(invalid_api_key)"),
+                          429: error("gateway", 429),  # counted like any request
                           503: error("gateway", 503, "The account store is unreachable")}
 ACCOUNT: Final = Doc(
     summary="Your tier, balance and rate limit left",

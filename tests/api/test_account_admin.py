@@ -11,8 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from jsonschema import Draft202012Validator
 
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
+from proxy.app import openapi_document
+from tests.conftest import GENEROUS_TIERS, MODEL, GatewayFactory, SimulatorFactory
 from tests.test_pipeline import sim_requests
 
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
@@ -101,3 +103,28 @@ async def test_integers_written_as_floats_are_sent_on_as_integers(
     seen = (await sim_requests(sim))[-1]["body"]
     assert seen["max_tokens"] == 8 and isinstance(seen["max_tokens"], int)
     assert seen["seed"] == 7 and isinstance(seen["seed"], int)
+
+
+async def test_the_account_routes_past_the_rate_are_a_documented_429(
+        gateway: GatewayFactory, simulator: SimulatorFactory) -> None:
+    """Both account routes count against the caller's rate, so their 429 is in the document
+    (a schemathesis run found it missing), with the body and headers it describes."""
+    tight = GENEROUS_TIERS.replace("[tiers.max]\nrequests_per_minute = 100000",
+                                   "[tiers.max]\nrequests_per_minute = 2")
+    assert tight != GENEROUS_TIERS
+    gw = await gateway(await simulator(), policies={"tiers.toml": tight})
+    key = {"X-API-Key": gw.api_key}  # type: ignore[attr-defined]
+    doc = openapi_document()
+    for path in ("/v2/account", "/v2/account/usage"):
+        async with aiohttp.ClientSession() as session:
+            statuses = []
+            for _ in range(3):
+                async with session.get(gw.make_url(path), headers=key) as response:
+                    statuses.append(response.status)
+                    body, headers = await response.json(), response.headers
+        assert statuses[-1] == 429, (path, statuses)
+        documented = doc["paths"][path]["get"]["responses"]["429"]
+        schema = documented["content"]["application/json"]["schema"]
+        assert Draft202012Validator({**schema, "components": doc["components"]}).is_valid(body)
+        for name, header in documented["headers"].items():
+            assert name in headers or not header.get("required"), (path, name)

@@ -36,6 +36,7 @@ from aiohttp.web_protocol import RequestHandler
 from proxy.appkeys import CONFIG
 from proxy.config import Config, ServerSection
 from proxy.errors import ErrorKind, GatewayError
+from proxy.ids import hex_id
 
 log = logging.getLogger("proxy")
 
@@ -154,8 +155,10 @@ class GatewayProtocol(RequestHandler):
         else:
             error = GatewayError(ErrorKind.INTERNAL_ERROR, "internal error")
             log.error("unhandled error outside the application", exc_info=exc)
+        # A fresh id: every answer carries one, and a malformed request's own is not to be trusted.
         response = web.Response(status=error.status, body=error.json(),
-                                content_type="application/json", headers=error.headers)
+                                content_type="application/json",
+                                headers={**error.headers, "X-Request-Id": hex_id()})
         response.force_close()
         return response
 

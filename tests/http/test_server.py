@@ -4,6 +4,7 @@ aiohttp's parser rejects, and underscore header names (reliability.md I2, I4, I5
 from __future__ import annotations
 
 import asyncio
+import re
 import resource
 import socket
 from pathlib import Path
@@ -214,6 +215,8 @@ async def test_malformed_requests_get_json_and_echo_nothing(
     assert (got_status, headers["content-type"]) == (status, "application/json")
     assert error_type(body) == kind
     assert CANARY.lower() not in answer.lower()
+    # Like every answer, an id of its own (schemathesis found it missing), never the client's.
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
 
 
 async def test_header_names_with_underscores_are_refused(gateway: GatewayFactory) -> None:

@@ -47,3 +47,5 @@ ACCESS_LOG = web.AppKey("access_log", AccessLog)
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it
 RESPONSE_HEADERS = web.RequestKey("response_headers", dict)  # e.g. rate-limit headers
+# The client sent `Expect: 100-continue` and has not had its 100 yet (proxy.http.server)
+EXPECTS_CONTINUE = web.RequestKey("expects_continue", bool)

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import BodyPartReader, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.appkeys import CONFIG
+from proxy.appkeys import CONFIG, EXPECTS_CONTINUE
 from proxy.errors import ErrorKind, GatewayError
 
 
@@ -39,6 +39,7 @@ async def read_capped(request: web.Request, cap: int, *, require_json: bool = Tr
     declared = request.content_length
     if declared is not None and declared > cap:
         raise _too_large(cap)
+    await _continue(request)
     if request.content.is_eof():  # all of it has arrived (the usual small body): no waiting
         return await _read(request.content, cap)
     deadline = request.app[CONFIG].server.body_timeout_s
@@ -83,6 +84,7 @@ async def read_form(request: web.Request, cap: int) -> Form:
     declared = request.content_length
     if declared is not None and declared > cap:
         raise _too_large(cap)
+    await _continue(request)
     deadline = request.app[CONFIG].server.body_timeout_s
     try:
         async with asyncio.timeout(deadline):
@@ -173,6 +175,15 @@ def is_json_media_type(content_type: str) -> bool:
     media = content_type.partition(";")[0].strip().lower()
     return media == "application/json" or (
         media.startswith("application/") and media.endswith("+json"))
+
+
+async def _continue(request: web.Request) -> None:
+    """A client that sent `Expect: 100-continue` holds its body back until told to send it:
+    now, once the checks that need no body have passed."""
+    if request.get(EXPECTS_CONTINUE):
+        request[EXPECTS_CONTINUE] = False
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp does: the response proper has not begun
 
 
 def _require_json(request: web.Request) -> None:

@@ -26,20 +26,23 @@ import asyncio
 import contextlib
 import logging
 import resource
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.appkeys import CONFIG
+from proxy.appkeys import CONFIG, EXPECTS_CONTINUE
 from proxy.config import Config, ServerSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.ids import hex_id
 
 log = logging.getLogger("proxy")
 
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 # Longest request line and header line. They differ by design: aiohttp reports both as
 # LineTooLong, and the limit it names tells a long URL (414) from a long header (431).
 REQUEST_LINE_MAX = 8192
@@ -234,11 +237,36 @@ class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # the app's startup, then aiohttp's own Server
         return GatewayServer(
-            plain.request_handler, request_factory=plain.request_factory,
+            expect_later(plain.request_handler), request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation, settings=self.settings,
             max_connections=self.max_connections,
             **plain._kwargs,  # the connection options AppRunner assembled (timeouts, logging)
         )
+
+
+def expect_later(handle: Handler) -> Handler:
+    """Take `Expect` out of aiohttp's hands. Before any check it would answer `100-continue`
+    (so a refused upload is sent anyway) and any other expectation with a text/plain 417 that
+    echoes it. Here `100-continue` is answered where the body is first read, after auth and the
+    checks that need no body (proxy.http.body), and a refusal before that closes the connection
+    (the client holds its body back); other expectations are ignored (RFC 9110 §10.1.1; nginx
+    does the same)."""
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect is None:
+            return await handle(request)
+        headers = request.headers.copy()
+        del headers[hdrs.EXPECT]
+        request = request.clone(headers=headers)
+        if request.version == HttpVersion11 and expect.strip().lower() == "100-continue":
+            request[EXPECTS_CONTINUE] = True  # until proxy.http.body sends it
+        response = await handle(request)
+        if request.get(EXPECTS_CONTINUE) and not response.prepared:
+            response.force_close()  # the body was never asked for: it may never come
+        return response
+
+    return handler
 
 
 def raise_fd_limit() -> None:

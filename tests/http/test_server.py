@@ -13,6 +13,7 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
+from proxy.appkeys import CONFIG
 from proxy.config import load_config
 from proxy.credits.ledger import Ledger
 from proxy.http.server import FD_HEADROOM, REQUEST_LINE_MAX, connection_cap
@@ -230,3 +231,58 @@ async def test_header_names_with_underscores_are_refused(gateway: GatewayFactory
     assert (status, headers["content-type"]) == (400, "application/json")
     assert headers["x-request-id"]
     assert error_type(body) == "invalid_request" and CANARY not in body
+
+
+# ---- Expect: 100-continue after the checks, other expectations ignored ----------------------
+
+
+def _post_head(path: str, length: int, key: str, expect: str) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\nX-API-Key: {key}\r\nExpect: {expect}\r\n\r\n"
+            ).encode()
+
+
+async def test_100_continue_comes_after_the_checks_that_need_no_body(
+    gateway: GatewayFactory, simulator: SimulatorFactory
+) -> None:
+    """aiohttp alone sends 100 Continue before any check, so a client refused for its key
+    uploads its body anyway. Here: a good request is told to go on, then answered; a bad key or a
+    body declared over the cap is refused at once, never asked for its body, and told that the
+    connection closes (the client still holds the body it announced)."""
+    gw = await gateway(await simulator())
+    key = gw.api_key  # type: ignore[attr-defined]
+    body = orjson.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 4})
+
+    reader, writer = await connect(gw)
+    writer.write(_post_head(CHAT, len(body), key, "100-continue"))
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(body)
+    status, headers, answer = await read_response(reader)
+    assert status == 200 and orjson.loads(answer)["choices"]
+    writer.write(HEALTHZ)  # still a kept-alive connection
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+
+    cap = gw.app[CONFIG].policies.requests.chat.max_body_bytes
+    for head, expected in [(_post_head(CHAT, len(body), "igw_sk_" + "x" * 38, "100-continue"), 401),
+                           (_post_head(CHAT, cap + 1, key, "100-continue"), 413)]:
+        reader, writer = await connect(gw)
+        writer.write(head)
+        status, headers, _ = await asyncio.wait_for(read_response(reader), 5)  # not a 100
+        writer.close()
+        assert (status, headers["connection"].lower()) == (expected, "close")
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/no/such/route"])
+async def test_other_expectations_are_ignored(gateway: GatewayFactory, path: str) -> None:
+    """aiohttp answered any other `Expect` with a text/plain 417 echoing it, before the
+    middleware (so no id, no JSON, and a status the document does not list)."""
+    gw = await gateway()
+    reader, writer = await connect(gw)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: gw\r\nExpect: {CANARY.decode()}\r\n\r\n".encode())
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert status == (200 if path == "/healthz" else 404)
+    assert headers["content-type"].startswith("application/json") and headers["x-request-id"]
+    assert CANARY not in body

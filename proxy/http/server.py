@@ -55,19 +55,20 @@ SHED_LINGER_S = 1.0
 
 
 def raw_response(error: GatewayError) -> bytes:
-    """A whole HTTP/1.1 response, written straight to a transport no request object exists for."""
+    """A whole HTTP/1.1 response, written straight to a transport no request object exists for
+    (with an id of its own, as every answer has)."""
     body = error.json()
     head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
             "Content-Type: application/json", f"Content-Length: {len(body)}",
-            "Connection: close", *(f"{k}: {v}" for k, v in error.headers.items())]
+            f"X-Request-Id: {hex_id()}", "Connection: close",
+            *(f"{k}: {v}" for k, v in error.headers.items())]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-_HEAD_TIMEOUT = raw_response(GatewayError(
-    ErrorKind.REQUEST_TIMEOUT, "the request head did not arrive in time"))
-_SHED = raw_response(GatewayError(
-    ErrorKind.UNAVAILABLE, "the gateway is at its connection limit; retry shortly",
-    headers={"Retry-After": "1"}))
+_HEAD_TIMEOUT = GatewayError(ErrorKind.REQUEST_TIMEOUT, "the request head did not arrive in time")
+_SHED = GatewayError(ErrorKind.UNAVAILABLE,
+                     "the gateway is at its connection limit; retry shortly",
+                     headers={"Retry-After": "1"})
 
 
 def refusal(exc: BaseException | None) -> GatewayError:
@@ -179,7 +180,7 @@ class GatewayProtocol(RequestHandler):
         if self.transport is None or self._force_close:
             return
         if self._head_started:  # a client mid-request is told why; a silent one just closed
-            self.transport.write(_HEAD_TIMEOUT)
+            self.transport.write(raw_response(_HEAD_TIMEOUT))
         self.force_close()
 
     def _write_expired(self) -> None:
@@ -195,7 +196,7 @@ class GatewayProtocol(RequestHandler):
         """Over the cap: 503 and FIN without reading a request; cut after a short linger so the
         client can read the answer before a reset."""
         self._shed = True
-        transport.write(_SHED)
+        transport.write(raw_response(_SHED))
         if transport.can_write_eof():
             transport.write_eof()
         self._head_timer = self._loop.call_later(SHED_LINGER_S, transport.abort)  # its one timer

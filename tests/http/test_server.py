@@ -64,6 +64,7 @@ async def test_a_request_head_must_arrive_within_the_header_deadline(
     writer.close()
     status, headers, body = parse(raw)
     assert status == 408 and headers["content-type"] == "application/json"
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
     assert error_type(body) == "request_timeout"
 
     # A connection that sends nothing at all is closed without a word.
@@ -100,6 +101,7 @@ async def test_connections_beyond_the_cap_get_503_and_are_closed(gateway: Gatewa
     writer.close()
     status, headers, body = parse(raw)
     assert status == 503 and headers["content-type"] == "application/json"
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
     assert headers["connection"] == "close" and headers["retry-after"] == "1"
     assert error_type(body) == "unavailable"
 

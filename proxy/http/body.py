@@ -3,8 +3,9 @@
 Every route that reads a body comes through `read_capped` after its auth check; a request refused
 here still counts against the caller's rate limit, and over it the 429 is the answer (DESIGN.md
 §6: 401 and 429 come before 400/408/413/415; see pipeline.py). The checks run in this order:
-media type (415, nothing read), declared length (413, nothing read), then the bytes as they
-arrive (413 past the cap, 408 past `[server] body_timeout_s`), then the JSON itself (400).
+media type (415, nothing read), declared length (413, nothing read), then `100 Continue` for a
+client that waits for it, then the bytes as they arrive (413 past the cap, 408 past `[server]
+body_timeout_s`), then the JSON itself (400).
 """
 
 from __future__ import annotations

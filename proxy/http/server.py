@@ -16,8 +16,10 @@ backends.toml, proxy.config.ServerSection):
                          nothing) is cut; the handler is cancelled as for a client that left
     max_connections      per worker; beyond it a connection gets 503 and is closed unserved
     malformed requests   (aiohttp's parser errors) JSON in the documented shape, nothing echoed
+    Expect               taken from aiohttp (`expect_later`): 100 Continue when the body is
+                         read, other expectations ignored
 
-The body deadline lives where bodies are read (proxy.http.body).
+The body deadline, and the 100 Continue, live where bodies are read (proxy.http.body).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from proxy.ids import hex_id
 log = logging.getLogger("proxy")
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
 # Longest request line and header line. They differ by design: aiohttp reports both as
 # LineTooLong, and the limit it names tells a long URL (414) from a long header (431).
 REQUEST_LINE_MAX = 8192

@@ -256,10 +256,13 @@ def expect_later(handle: Handler) -> Handler:
     (the client holds its body back); other expectations are ignored (RFC 9110 §10.1.1; nginx
     does the same)."""
 
-    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+    def handler(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         expect = request.headers.get(hdrs.EXPECT)
         if expect is None:
-            return await handle(request)
+            return handle(request)  # the app's own coroutine: nothing added on the usual path
+        return expecting(request, expect)
+
+    async def expecting(request: web.BaseRequest, expect: str) -> web.StreamResponse:
         headers = request.headers.copy()
         del headers[hdrs.EXPECT]
         request = request.clone(headers=headers)

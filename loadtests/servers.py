@@ -224,8 +224,8 @@ async def _create_keys(config_dir: Path, count: int, credits_each: int) -> list[
     from proxy.config import load_config
     from proxy.credits.ledger import Ledger
     from proxy.identity.keystore import KeyStore
-    from proxy.runtime.redis_process import RedisProcess
-    from proxy.runtime.store import connect_redis
+    from proxy.store.client import connect_redis
+    from proxy.store.redis_process import RedisProcess
 
     config = load_config(config_dir)
     redis = connect_redis(RedisProcess(config.data_dir / "redis").url, timeout_s=10.0)

@@ -24,8 +24,8 @@ from proxy.credits.ledger import InsufficientCredits, Ledger
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
-from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.store import connect_redis
+from proxy.store.client import connect_redis
+from proxy.store.redis_process import RedisProcess
 
 __all__ = ["DEFAULT_TIERS", "add_commands", "known_tiers", "redis_url_for"]
 

@@ -4,7 +4,7 @@
                             -> upstreams (the pooled client, drain) -> health (probes, fleet sync)
     routes:                 ROUTES below, the only place a route is registered; the OpenAPI
                             document is rendered from the same table
-    middleware:             proxy.http.middleware (request id, drain gate, error rendering)
+    middleware:             proxy.api.middleware (request id, drain gate, error rendering)
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from redis.exceptions import RedisError
 
 from proxy.api import account, admin, dashboard, models, ollama_discovery, openapi, tasks
 from proxy.api import route_docs as docs
+from proxy.api.middleware import gateway_middleware
+from proxy.api.scrape import metrics
 from proxy.appkeys import (
     ACCESS_LOG,
     ADMITTER,
@@ -45,6 +47,7 @@ from proxy.appkeys import (
     UPSTREAMS,
 )
 from proxy.config import Config
+from proxy.credits.admission import Admitter
 from proxy.credits.ledger import Ledger
 from proxy.credits.settler import Settler
 from proxy.families.handlers import (
@@ -56,19 +59,16 @@ from proxy.families.handlers import (
     TTS,
     VIDEO,
 )
-from proxy.http.middleware import gateway_middleware
+from proxy.http.body import BODY_TIMEOUT_S
+from proxy.http.drain import Drain
 from proxy.identity.keystore import KeyStore
 from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics import Labels, Metrics, flush_metrics
-from proxy.observe.scrape import metrics
 from proxy.pipeline import chat_route, task_route
-from proxy.policy.admission import Admitter
-from proxy.reload import RELOADS, LivePolicies
-from proxy.runtime.background import stop_task
-from proxy.runtime.drain import Drain
-from proxy.runtime.fleet_state import fleet_key, signals_key
-from proxy.runtime.lease import Lease
-from proxy.runtime.store import Store, connect_redis, rate_limit_redis_url
+from proxy.policy.live import RELOADS, LivePolicies
+from proxy.store.background import stop_task
+from proxy.store.client import Store, connect_redis, rate_limit_redis_url
+from proxy.store.lease import Lease
 from proxy.styles.anthropic import AnthropicStyle
 from proxy.styles.base import ChatStyle
 from proxy.styles.ollama import OllamaStyle
@@ -79,6 +79,7 @@ from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher, rules_from
+from proxy.upstream.fleet_state import fleet_key, signals_key
 from proxy.upstream.pool import Router
 from proxy.upstream.prober import FleetSync, Prober, probe_session
 
@@ -210,6 +211,7 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
                             caps.fetch.max_bytes),
     )
     app[CONFIG] = config
+    app[BODY_TIMEOUT_S] = config.server.body_timeout_s
     app[ROUTER] = Router(config.backends, config.health, config.routing)
     app[OPENAPI] = openapi_base
     app[METRICS] = Metrics(Labels(
@@ -280,7 +282,7 @@ def _upstreams_ctx(resolver: AbstractResolver | None
                    ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
         app[UPSTREAMS] = Upstreams(app[CONFIG].upstream, app[METRICS])
-        app[DRAIN] = Drain(app[UPSTREAMS])
+        app[DRAIN] = Drain(app[UPSTREAMS].abort_open)
         # Each fetch follows the live policy (MediaFetcher.follow); this is the first.
         app[FETCHER] = MediaFetcher(rules_from(app[CONFIG].policies.requests.fetch),
                                     resolver=resolver)

@@ -9,15 +9,15 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.config import Config
+from proxy.credits.admission import Admitter
 from proxy.credits.ledger import Ledger
 from proxy.credits.settler import Settler
+from proxy.http.drain import Drain
 from proxy.identity.keystore import KeyStore
 from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics import Metrics
-from proxy.policy.admission import Admitter
-from proxy.reload import LivePolicies
-from proxy.runtime.drain import Drain
-from proxy.runtime.store import Store
+from proxy.policy.live import LivePolicies
+from proxy.store.client import Store
 from proxy.styles.base import ChatStyle
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
@@ -47,5 +47,3 @@ ACCESS_LOG = web.AppKey("access_log", AccessLog)
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it
 RESPONSE_HEADERS = web.RequestKey("response_headers", dict)  # e.g. rate-limit headers
-# The client sent `Expect: 100-continue` and has not had its 100 yet (proxy.http.server)
-EXPECTS_CONTINUE = web.RequestKey("expects_continue", bool)

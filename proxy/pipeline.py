@@ -49,6 +49,7 @@ from proxy.appkeys import (
 )
 from proxy.config import TierPolicy
 from proxy.credits import idempotency
+from proxy.credits.admission import Window
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.meter import Meter, Result, Stage, open_chat_meter, open_meter
 from proxy.credits.pricing import Units, format_credits, units_cost
@@ -58,12 +59,12 @@ from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
 from proxy.observe.trace import TRACE
 from proxy.outcome import Outcome
-from proxy.policy.admission import Window
 from proxy.policy.tiers import check_access, check_queue_budget, completion_cap, tier_of
+from proxy.styles import wire
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.tasks.network import Agreed, agreed, choose_mode, record
 from proxy.tasks.submit import submit
-from proxy.upstream import http1, wire
+from proxy.upstream import http1
 from proxy.upstream.client import UpstreamFailure, read_answer
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.quorum import fingerprint

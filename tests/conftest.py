@@ -16,15 +16,15 @@ from aiohttp.web_runner import BaseRunner
 from redis.asyncio import Redis
 
 from proxy.app import build_app
-from proxy.appkeys import SETTLER
+from proxy.appkeys import CONFIG, SETTLER
 from proxy.config import KeysPolicy, load_config
 from proxy.credits.ledger import Ledger
 from proxy.http.server import GatewayRunner
 from proxy.identity.keystore import KeyStore
-from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
 from proxy.simulators.runtime import STATE as SIM_STATE
+from proxy.store.redis_process import RedisProcess
 
 MODEL = "acme/small-chat"
 
@@ -125,7 +125,7 @@ class GatewayTestServer(TestServer):
     cap and JSON refusals as a worker."""
 
     async def _make_runner(self, **kwargs: Any) -> BaseRunner:
-        return GatewayRunner(self.app, **kwargs)
+        return GatewayRunner(self.app, self.app[CONFIG], **kwargs)
 
 
 @pytest.fixture

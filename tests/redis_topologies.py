@@ -24,7 +24,7 @@ from typing import Any, Self, TypeVar
 import redis
 from redis.exceptions import RedisError
 
-from proxy.runtime.redis_process import RedisProcess, _die_with_parent, redis_server_binary
+from proxy.store.redis_process import RedisProcess, _die_with_parent, redis_server_binary
 from tests.conftest import free_port
 
 HOST = "127.0.0.1"

@@ -21,13 +21,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
+from proxy.api.scrape import SCRAPE_TIME_METRICS
 from proxy.appkeys import CONFIG
 from proxy.credits.ledger import Ledger
 from proxy.observe.metrics import Labels, Metrics
-from proxy.observe.scrape import SCRAPE_TIME_METRICS
-from proxy.runtime.fleet_state import signals_key
-from proxy.runtime.redis_process import RedisProcess
 from proxy.runtime.signal_scraper import SignalScraper
+from proxy.store.redis_process import RedisProcess
+from proxy.upstream.fleet_state import signals_key
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled
 
 ROOT = Path(__file__).resolve().parent.parent

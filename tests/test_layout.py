@@ -3,9 +3,11 @@ tree matching the code, and source-level guards a functional test cannot show on
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,7 +18,7 @@ PROXY = ROOT / "proxy"
 PURE = [
     "proxy.styles.base", "proxy.styles.openai", "proxy.styles.served", "proxy.styles.anthropic",
     "proxy.styles.ollama", "proxy.policy.tiers", "proxy.credits.pricing", "proxy.headers",
-    "proxy.http.sse", "proxy.errors", "proxy.validate", "proxy.upstream.wire", "proxy.outcome",
+    "proxy.http.sse", "proxy.errors", "proxy.validate", "proxy.styles.wire", "proxy.outcome",
     "proxy.ids", "proxy.families.tts", "proxy.families.asr", "proxy.families.generation",
     "proxy.families.languages", "proxy.media.audio", "proxy.media.wav", "proxy.media.containers",
     "proxy.media.visual", "proxy.upstream.quorum",
@@ -27,6 +29,102 @@ IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")
 TOP_LEVEL = {"__init__.py", "__main__.py", "cli.py", "admin_cli.py", "app.py", "appkeys.py",
              "config.py", "reload.py", "errors.py", "headers.py", "pipeline.py", "validate.py",
              "outcome.py", "ids.py"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its __init__)."""
+    found = {}
+    for path in PROXY.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[str]:
+    """The package's modules `name` imports: anywhere in it (inside functions and under
+    TYPE_CHECKING too: an import that is only deferred is still a dependency). `from p import m`
+    is an import of the module p.m when there is one, else of p."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    yield f"{base}.{alias.name}"
+                elif base in modules:
+                    yield base
+
+
+def _room(module: str) -> str:
+    """A subpackage is one room (proxy.credits.meter -> proxy.credits); a top-level module is
+    a room of its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (PROXY / parts[1]).is_dir() else module
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path (first node repeated at its end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def _import_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    modules = _modules()
+    edges = {name: set(_imports(name, path, modules)) - {name}
+             for name, path in modules.items()}
+    rooms: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    for name, targets in edges.items():
+        for target in targets:
+            a, b = _room(name), _room(target)
+            if a != b:
+                rooms.setdefault(a, set()).add(b)
+                why.setdefault((a, b), []).append(f"{name} -> {target}")
+    return rooms, why
+
+
+def test_no_import_cycle_between_packages() -> None:
+    """Each package (and each top-level module) sits above what it imports: the request path's
+    rooms can be read, tested and changed from the bottom up."""
+    rooms, why = _import_graph()
+    cycle = _cycle(rooms)
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle) + "\n" + \
+        "\n".join(f"  {edge}" for a, b in zip(cycle, cycle[1:]) for edge in why[(a, b)])
+
+
+def test_no_import_cycle_between_modules_of_a_package() -> None:
+    modules = _modules()
+    graph = {name: {t for t in _imports(name, path, modules) if t != name}
+             for name, path in modules.items()}
+    for room in sorted({_room(name) for name in modules}):
+        inside = {name: {t for t in targets if _room(t) == room}
+                  for name, targets in graph.items() if _room(name) == room}
+        cycle = _cycle(inside)
+        assert cycle is None, f"import cycle inside {room}: " + " -> ".join(cycle)
 
 
 def test_pure_modules_import_no_io_even_transitively() -> None:
@@ -64,5 +162,5 @@ def test_readme_layout_names_every_package_and_module() -> None:
 
 def test_rate_limits_only_hit_never_test_then_hit() -> None:
     # reliability.md R1: `test()` then `hit()` is a race; admission must use the atomic hit.
-    source = (PROXY / "policy" / "admission.py").read_text()
+    source = (PROXY / "credits" / "admission.py").read_text()
     assert ".hit(" in source and ".test(" not in source

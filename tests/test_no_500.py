@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from proxy.app import build_app
 from proxy.config import load_config
-from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import GENEROUS_TIERS, MODEL, new_key, write_config
 
 ROUTES = ["/v2/compat/v1/chat/completions", "/v2/served/v1/chat/completions",

@@ -39,7 +39,7 @@ from proxy.http.body import read_json
 from proxy.identity import apikeys
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
-from proxy.runtime.fleet_state import STARTING
+from proxy.upstream.fleet_state import STARTING
 from proxy.upstream.pool import Backend
 from proxy.validate import RequestInvalid, validate
 

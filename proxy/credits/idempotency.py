@@ -27,7 +27,7 @@ from aiohttp import web
 
 from proxy.errors import ErrorKind, GatewayError
 from proxy.ids import hex_id
-from proxy.runtime.store import Store
+from proxy.store.client import Store
 
 HEADER = "Idempotency-Key"
 TTL_S = 24 * 3600

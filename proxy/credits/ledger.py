@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from proxy.ids import hex_id
-from proxy.runtime.store import Primaries, Store, wait_for_replicas
+from proxy.store.client import Primaries, Store, wait_for_replicas
 
 log = logging.getLogger("proxy.credits.ledger")
 

@@ -19,13 +19,13 @@ from typing import Any
 from redis.commands.core import AsyncScript
 
 from proxy.config import PricesPolicy, Rates
+from proxy.credits.admission import Hold
 from proxy.credits.ledger import new_hold_id, settle_call
 from proxy.credits.pricing import ChatUsage, chat_cost, chat_hold, prompt_estimate, usage_from
 from proxy.credits.settler import Settler
 from proxy.identity.principal import Principal
 from proxy.outcome import Outcome
-from proxy.policy.admission import Hold
-from proxy.upstream.wire import ChunkFilter
+from proxy.styles.wire import ChunkFilter
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 A request queues its writes (each one Redis command) and is done: no task, no await, so a
 cancelled request still settles. One background task flushes whatever has queued as one
-pipeline (written straight to a connection of its own per primary, proxy.runtime.script_pipe:
+pipeline (written straight to a connection of its own per primary, proxy.store.script_pipe:
 redis-py's pipeline cost ~30 µs of CPU per settlement), at most every
 `FLUSH_INTERVAL_S`: one round trip and, with `appendfsync always`, one fsync shared by every
 request that finished meanwhile. Redis fsyncs on its main thread, so every admission waits out an
@@ -32,8 +32,8 @@ from redis.exceptions import NoScriptError, RedisError
 
 from proxy.credits.ledger import Arg
 from proxy.observe.metrics import Metrics
-from proxy.runtime.script_pipe import ScriptPipes
-from proxy.runtime.store import ACK_TIMEOUT_MS, Primaries
+from proxy.store.client import ACK_TIMEOUT_MS, Primaries
+from proxy.store.script_pipe import ScriptPipes
 
 log = logging.getLogger("proxy.settler")
 

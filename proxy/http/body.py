@@ -18,8 +18,12 @@ import orjson
 from aiohttp import BodyPartReader, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.appkeys import CONFIG, EXPECTS_CONTINUE
 from proxy.errors import ErrorKind, GatewayError
+
+# How long a body may take to arrive once its head has ([server] body_timeout_s).
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
+# The client sent `Expect: 100-continue` and has not had its 100 yet (proxy.http.server)
+EXPECTS_CONTINUE = web.RequestKey("expects_continue", bool)
 
 
 async def read_json(request: web.Request, cap: int) -> dict[str, Any]:
@@ -43,7 +47,7 @@ async def read_capped(request: web.Request, cap: int, *, require_json: bool = Tr
     await _continue(request)
     if request.content.is_eof():  # all of it has arrived (the usual small body): no waiting
         return await _read(request.content, cap)
-    deadline = request.app[CONFIG].server.body_timeout_s
+    deadline = request.app[BODY_TIMEOUT_S]
     try:
         async with asyncio.timeout(deadline):
             return await _read(request.content, cap)
@@ -86,7 +90,7 @@ async def read_form(request: web.Request, cap: int) -> Form:
     if declared is not None and declared > cap:
         raise _too_large(cap)
     await _continue(request)
-    deadline = request.app[CONFIG].server.body_timeout_s
+    deadline = request.app[BODY_TIMEOUT_S]
     try:
         async with asyncio.timeout(deadline):
             return await _read_form(request, cap)

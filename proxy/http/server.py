@@ -37,9 +37,9 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.appkeys import CONFIG, EXPECTS_CONTINUE
 from proxy.config import Config, ServerSection
 from proxy.errors import ErrorKind, GatewayError
+from proxy.http.body import EXPECTS_CONTINUE
 from proxy.ids import hex_id
 
 log = logging.getLogger("proxy")
@@ -228,10 +228,9 @@ class GatewayServer(web.Server):
 
 
 class GatewayRunner(web.AppRunner):
-    """AppRunner serving `app` with the [server] settings of its config (app[CONFIG])."""
+    """AppRunner serving `app` with the [server] settings of `config`."""
 
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        config = app[CONFIG]
+    def __init__(self, app: web.Application, config: Config, **kwargs: Any) -> None:
         super().__init__(app, keepalive_timeout=config.server.keepalive_timeout_s,
                          max_line_size=REQUEST_LINE_MAX, max_field_size=HEADER_LINE_MAX,
                          **kwargs)

@@ -36,7 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.config import KeysPolicy
 from proxy.identity import apikeys
-from proxy.runtime.store import Store, listener_client
+from proxy.store.client import Store, listener_client
 
 __all__ = ["ACCOUNT_PATTERN", "REVOCATIONS", "AccountView", "KeyRecord", "KeyStore"]
 

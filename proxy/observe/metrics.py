@@ -6,7 +6,7 @@ key, an account id or anything a client typed: `Labels` maps anything else to "o
 
 Under `serve` the workers are separate processes: prometheus-client's multiprocess mode
 (PROMETHEUS_MULTIPROC_DIR, set by the master before it starts them) keeps each process's values
-in files, and whichever worker answers `/metrics` adds them all up (proxy.observe.scrape). A
+in files, and whichever worker answers `/metrics` adds them all up (proxy.api.scrape). A
 request's counts are tallied in plain dicts and written to the metric values once a second
 (`flush`): per request that is a few dict updates instead of a dozen locked writes to a mapped
 file. What only makes sense at scrape time (backend health, supervised restarts, the task queue,

@@ -24,9 +24,9 @@ import signal
 import time
 from contextlib import suppress
 
-from proxy.runtime.fleet_state import RestartBackoff
-from proxy.runtime.redis_process import RedisProcess
 from proxy.runtime.supervisor import terminate, tie_to_parent, wait_event
+from proxy.store.redis_process import RedisProcess
+from proxy.upstream.fleet_state import RestartBackoff
 
 log = logging.getLogger("proxy.runtime.redis")
 

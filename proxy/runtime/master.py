@@ -34,17 +34,17 @@ import msgspec
 
 from proxy.config import Config
 from proxy.runtime.embedded_redis import RedisStartError, SupervisedRedis
-from proxy.runtime.fleet_state import RestartBackoff, signals_key
-from proxy.runtime.redis_process import RedisProcess
 from proxy.runtime.signal_scraper import SignalScraper
-from proxy.runtime.store import (
+from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_event
+from proxy.store.client import (
     RATE_LIMIT_URL_ENV,
     connect_redis,
     rate_limit_redis_url,
     store_kind,
     url_problem,
 )
-from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_event
+from proxy.store.redis_process import RedisProcess
+from proxy.upstream.fleet_state import RestartBackoff, signals_key
 
 log = logging.getLogger("proxy.runtime.master")
 

@@ -23,7 +23,7 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from proxy.config import BackendSpec
-from proxy.runtime.store import Store
+from proxy.store.client import Store
 from proxy.upstream.signals import (
     MAX_TEXT,
     SIGNAL_KINDS,

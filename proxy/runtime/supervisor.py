@@ -36,7 +36,8 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from proxy.config import BackendSpec, Config, HealthSection, SupervisorSection
-from proxy.runtime.fleet_state import (
+from proxy.store.client import Store
+from proxy.upstream.fleet_state import (
     BACKING_OFF,
     EXPIRE_S,
     READY,
@@ -49,7 +50,6 @@ from proxy.runtime.fleet_state import (
     State,
     fleet_key,
 )
-from proxy.runtime.store import Store
 from proxy.upstream.pool import health_path
 from proxy.upstream.prober import PROBE_HEADERS, probe_session
 

@@ -38,8 +38,8 @@ async def _run_worker(spec: WorkerSpec) -> None:
     from proxy.app import build_app  # the master never needs the HTTP stack
     from proxy.appkeys import DRAIN
     from proxy.http.server import GatewayRunner, raise_fd_limit
-    from proxy.runtime.background import stop_task
     from proxy.runtime.memory import trim_forever
+    from proxy.store.background import stop_task
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -49,7 +49,7 @@ async def _run_worker(spec: WorkerSpec) -> None:
     app.on_startup.append(_reload_on_sighup)
     raise_fd_limit()  # before the runner fits max_connections under the limit
     # [server] deadlines and connection cap, JSON answers to malformed requests.
-    runner = GatewayRunner(app, access_log=None, handler_cancellation=True,
+    runner = GatewayRunner(app, spec.config, access_log=None, handler_cancellation=True,
                            shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     # What startup built lives as long as the process: keep it out of the collector's way,

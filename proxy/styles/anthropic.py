@@ -31,7 +31,7 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.http.sse import frame
 from proxy.styles.anthropic_schema import TOOL_ID_PREFIX, MessagesRequest, to_openai, usage_rules
 from proxy.styles.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.upstream.wire import parse_chunk
+from proxy.styles.wire import parse_chunk
 from proxy.validate import validate_with
 
 JsonObj = dict[str, Any]

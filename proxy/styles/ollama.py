@@ -31,7 +31,7 @@ import orjson
 from proxy.errors import ErrorKind, GatewayError
 from proxy.styles.base import ChatCall, ChatStyle, StreamEncoder
 from proxy.styles.ollama_schema import OllamaChatRequest, OllamaMessage, OllamaOptions, usage_rules
-from proxy.upstream.wire import UpstreamStreamError, parse_chunk
+from proxy.styles.wire import UpstreamStreamError, parse_chunk
 from proxy.validate import validate_with
 
 JsonObj = dict[str, Any]

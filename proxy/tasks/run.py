@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from proxy.appkeys import LEDGER, LIVE, METRICS, ROUTER, SETTLER, TASKS
+from proxy.credits.admission import Hold
 from proxy.credits.meter import ChatMeter, Meter, Result, Stage
 from proxy.credits.pricing import units_cost
 from proxy.errors import ErrorKind, GatewayError
@@ -24,7 +25,6 @@ from proxy.families.handlers import Answer, Ctx, Family
 from proxy.identity.principal import Principal, PrincipalKind
 from proxy.outcome import Outcome
 from proxy.pipeline import complete_chat, fetch_completion, parsed_call
-from proxy.policy.admission import Hold
 from proxy.styles.base import ChatStyle
 from proxy.tasks.network import agreed, record
 from proxy.tasks.spec import TaskSpec

@@ -21,9 +21,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from proxy.runtime.background import stop_task
-from proxy.runtime.lease import Lease
-from proxy.runtime.store import Store
+from proxy.store.background import stop_task
+from proxy.store.client import Store
+from proxy.store.lease import Lease
 from proxy.tasks.store import GROUP, QUEUE, TaskStore
 
 log = logging.getLogger("proxy.tasks")

@@ -24,7 +24,7 @@ import orjson
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
-from proxy.runtime.store import Store
+from proxy.store.client import Store
 from proxy.tasks.spec import DECODER, ENCODER, TaskSpec
 
 QUEUE = "igw:tasks"

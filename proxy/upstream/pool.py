@@ -34,7 +34,7 @@ from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection, Mode, Routi
 from proxy.errors import ErrorKind, GatewayError
 from proxy.headers import HeaderRule
 from proxy.policy.tiers import FAMILY_NAMES
-from proxy.runtime.fleet_state import READY, FleetRecord
+from proxy.upstream.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 from proxy.upstream.http1 import Target
 from proxy.upstream.routing import PickKind, Weights

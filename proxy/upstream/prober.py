@@ -29,8 +29,8 @@ import orjson
 from redis.exceptions import RedisError
 
 from proxy.config import HealthSection
-from proxy.runtime.fleet_state import POLL_S, READY, FleetRecord
-from proxy.runtime.store import Store
+from proxy.store.client import Store
+from proxy.upstream.fleet_state import POLL_S, READY, FleetRecord
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, health_path
 from proxy.upstream.signals import SIGNAL_KINDS, EngineSignals

@@ -26,10 +26,10 @@ from proxy.http.sse import DONE, Event, SSEDecoder
 from proxy.observe.trace import TRACE
 from proxy.outcome import Outcome
 from proxy.styles.base import StreamEncoder
+from proxy.styles.wire import ChunkFilter, UpstreamStreamError
 from proxy.upstream import http1
 from proxy.upstream.client import UpstreamFailure
 from proxy.upstream.pool import RETRY_AFTER_S
-from proxy.upstream.wire import ChunkFilter, UpstreamStreamError
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -28,7 +28,7 @@ from proxy.app import openapi_document
 from proxy.appkeys import DRAIN
 from proxy.credits.ledger import Ledger
 from proxy.credits.pricing import format_credits
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import (
     GENEROUS_TIERS,
     MODEL,

@@ -22,8 +22,8 @@ from proxy.credits.pricing import (
     parse_credits,
     prompt_upper_bound,
 )
-from proxy.runtime.redis_process import RedisProcess
-from proxy.upstream.wire import carries_tokens
+from proxy.store.redis_process import RedisProcess
+from proxy.styles.wire import carries_tokens
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key, settled
 from tests.test_pipeline import CHAT, HELLO, post, sse_payloads
 

@@ -19,8 +19,8 @@ from proxy.config import ConfigError, load_config
 from proxy.credits.ledger import AccountKeys, Ledger, lua_script, settle_call
 from proxy.credits.settler import Settler
 from proxy.observe.metrics import Labels, Metrics
-from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.script_pipe import REPLY_TIMEOUT_S
+from proxy.store.redis_process import RedisProcess
+from proxy.store.script_pipe import REPLY_TIMEOUT_S
 from tests.conftest import (
     MODEL,
     GatewayFactory,

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from proxy.credits.ledger import Ledger, settle_call
 from proxy.credits.settler import Settler
 from proxy.observe.metrics import Labels, Metrics
-from proxy.runtime.store import connect_redis
+from proxy.store.client import connect_redis
 from tests.conftest import MODEL, free_port
 from tests.redis_topologies import RedisNode
 

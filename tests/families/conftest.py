@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import GatewayFactory, SimulatorFactory, new_key, settled, toml_value
 
 TTS_MODEL, ASR_MODEL = "acme/csm-1b", "acme/large-v3"

@@ -17,7 +17,7 @@ from proxy.appkeys import CONFIG
 from proxy.config import load_config
 from proxy.credits.ledger import Ledger
 from proxy.http.server import FD_HEADROOM, REQUEST_LINE_MAX, connection_cap
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled, write_config
 from tests.http.raw import connect, error_type, parse, read_response, read_until_closed
 from tests.test_pipeline import CHAT, HELLO, sim_requests

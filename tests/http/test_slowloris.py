@@ -16,7 +16,7 @@ import aiohttp
 import psutil
 import pytest
 
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import free_port, write_config
 from tests.runtime.test_serve_cli import wait_until_ready
 

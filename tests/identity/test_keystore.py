@@ -24,7 +24,7 @@ from proxy.app import build_app
 from proxy.config import KeysPolicy, load_config
 from proxy.identity import apikeys
 from proxy.identity.keystore import KeyStore
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import free_port, write_config
 
 ROOT = Path(__file__).resolve().parents[2]

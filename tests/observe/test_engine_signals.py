@@ -15,9 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.config import BackendSpec
-from proxy.runtime.fleet_state import POLL_S
-from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.store import Store
+from proxy.store.client import Store
+from proxy.store.redis_process import RedisProcess
+from proxy.upstream.fleet_state import POLL_S
 from proxy.upstream.pool import Backend
 from proxy.upstream.prober import FleetSync
 from proxy.upstream.signals import EngineSignals, parse_signals

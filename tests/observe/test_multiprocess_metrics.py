@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observe.metrics import FLUSH_S
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, free_port
 from tests.runtime.test_fleet import Stack
 from tests.runtime.test_serve_cli import wait_until_ready

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from proxy.app import build_app
 from proxy.config import load_config
 from proxy.identity import apikeys
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key, write_config
 from tests.policy.test_tiers_and_limits import tiers
 from tests.test_pipeline import CHAT, HELLO, post, sim_requests

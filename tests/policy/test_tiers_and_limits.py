@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.app import build_app
 from proxy.config import load_config
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, free_port, new_key, write_config
 from tests.test_pipeline import HELLO, post, sim_requests
 

@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 from proxy.appkeys import ROUTER
 from proxy.credits.ledger import Ledger
 from proxy.families.languages import LANGUAGES
-from proxy.runtime.redis_process import RedisProcess
 from proxy.simulators.speech import VLLM_LANGUAGES
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import GatewayFactory, toml_value
 from tests.families.conftest import AUDIO_HOST, Files, Media, audio_app, internal_app
 from tests.real_engine.audio import encoded, wav, wav_of_size

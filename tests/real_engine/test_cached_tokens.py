@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import GatewayFactory, settled
 from tests.credits.test_money import funded_key, journal
 from tests.real_engine.conftest import backend

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
 from proxy.credits.pricing import prompt_upper_bound
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import GatewayFactory, settled
 from tests.credits.test_money import funded_key, journal
 from tests.real_engine.conftest import backend

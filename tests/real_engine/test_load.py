@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import GatewayFactory, settled
 from tests.credits.test_money import funded_key, journal
 from tests.real_engine.conftest import backend

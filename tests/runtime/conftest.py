@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.runtime.test_fleet import Stack
 
 

@@ -11,7 +11,7 @@ import aiohttp
 from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, SimulatorFactory, new_key
 from tests.runtime.test_fleet import Stack
 from tests.test_pipeline import sim_requests

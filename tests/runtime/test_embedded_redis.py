@@ -23,8 +23,8 @@ from multidict import CIMultiDict
 from redis.asyncio import Redis
 
 from proxy.credits.ledger import Balance, Ledger
-from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.store import connect_redis
+from proxy.store.client import connect_redis
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL
 from tests.runtime.test_fleet import CHAT, REPO, Stack, _cmdline, gone, simulator
 

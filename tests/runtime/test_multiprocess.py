@@ -16,7 +16,7 @@ import aiohttp
 import psutil
 import pytest
 
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, free_port, write_config
 from tests.policy.test_tiers_and_limits import tiers
 from tests.runtime.test_serve_cli import wait_until_ready

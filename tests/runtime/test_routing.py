@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from proxy.runtime.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import MODEL, SimulatorFactory
 from tests.runtime.test_fleet import Stack
 from tests.test_pipeline import sim_requests

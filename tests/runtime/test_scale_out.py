@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 
 from proxy.credits.ledger import AccountKeys, Ledger
-from proxy.runtime.store import connect_redis
+from proxy.store.client import connect_redis
 from tests.conftest import MODEL, SimulatorFactory
 from tests.redis_topologies import ClusterProcesses, SentinelProcesses
 from tests.runtime.test_fleet import ADMIN, REPO, Stack

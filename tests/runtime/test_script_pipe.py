@@ -12,8 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.script_pipe import REPLY_TIMEOUT_S, ScriptPipe, resp_command
+from proxy.store.redis_process import RedisProcess
+from proxy.store.script_pipe import REPLY_TIMEOUT_S, ScriptPipe, resp_command
 
 
 @pytest.mark.parametrize("args", [

@@ -14,9 +14,9 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.runtime.lease import Lease, lease_key
-from proxy.runtime.redis_process import RedisProcess
-from proxy.runtime.store import Primaries, connect_redis, store_kind, url_problem
+from proxy.store.client import Primaries, connect_redis, store_kind, url_problem
+from proxy.store.lease import Lease, lease_key
+from proxy.store.redis_process import RedisProcess
 from tests.conftest import free_port
 from tests.runtime.test_fleet import REPO
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.runtime.fleet_state import FleetRecord, RestartBackoff
+from proxy.upstream.fleet_state import FleetRecord, RestartBackoff
 from proxy.upstream.health import BackendHealth, EjectionPolicy, Probe, ejection_allowed
 
 POLICY = EjectionPolicy(threshold=5, base_s=10.0, max_s=300.0)

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.config import BackendSpec, HealthSection
 from proxy.errors import ErrorKind, GatewayError
-from proxy.runtime.fleet_state import FleetRecord
+from proxy.upstream.fleet_state import FleetRecord
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, Pool, Router
 from proxy.upstream.quorum import FAILED, Verdict, decide, fingerprint, task_address

@@ -10,7 +10,7 @@ import pytest
 
 from proxy.config import BackendSpec, HealthSection
 from proxy.errors import GatewayError
-from proxy.runtime.fleet_state import FleetRecord
+from proxy.upstream.fleet_state import FleetRecord
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, Router
 

@@ -34,10 +34,10 @@ from proxy.config import TierPolicy
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
-from proxy.runtime.script_pipe import ScriptPipes
-from proxy.runtime.store import Primaries, Store, StoreBusy
+from proxy.store.client import Primaries, Store, StoreBusy
+from proxy.store.script_pipe import ScriptPipes
 
-log = logging.getLogger("proxy.policy.admission")
+log = logging.getLogger("proxy.credits.admission")
 
 WINDOW_MS = 60_000
 ADMITTED, LIMITED, INSUFFICIENT, DUPLICATE_HOLD = 1, 0, 2, 3

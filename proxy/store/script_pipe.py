@@ -48,7 +48,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from proxy.runtime.store import Primaries
+from proxy.store.client import Primaries
 
 REPLY_TIMEOUT_S = 2.0
 _PENDING = object()  # hiredis' answer while a reply is still incomplete

@@ -18,9 +18,9 @@ from limits.aio.strategies import MovingWindowRateLimiter
 from proxy.config import Config, ConfigError, Policies, load_config
 from proxy.identity.auth import Authenticator
 from proxy.identity.keystore import KeyStore
-from proxy.runtime.store import Store
+from proxy.store.client import Store
 
-log = logging.getLogger("proxy.reload")
+log = logging.getLogger("proxy.policy.live")
 
 # Every worker of every gateway follows this channel: a reload asked of one (POST /admin/reload)
 # reaches them all. The message is the asking process's origin id, so it does not reload twice.

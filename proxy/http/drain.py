@@ -2,16 +2,15 @@
 
 On SIGTERM (driven by `runtime.worker`) `/readyz` fails at once and every new request gets 503
 with Retry-After (the middleware asks `Drain.draining`); requests already running finish, up to
-the deadline; then the upstream streams still open are closed, which makes each relay end its
-client's stream with one error event.
+the deadline; then `abort` closes the upstream streams still open (`Upstreams.abort_open`), which
+makes each relay end its client's stream with one error event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-from proxy.upstream.client import Upstreams
+from collections.abc import Callable
 
 log = logging.getLogger("proxy.drain")
 
@@ -21,8 +20,8 @@ _ABORT_GRACE_S = 2.0  # after closing the upstreams, how long relays get to send
 class Drain:
     """Drain state and in-flight count of this worker."""
 
-    def __init__(self, upstreams: Upstreams) -> None:
-        self.upstreams = upstreams
+    def __init__(self, abort: Callable[[], int]) -> None:
+        self.abort = abort  # closes what is still open upstream; says how many
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -46,7 +45,7 @@ class Drain:
             return
         except TimeoutError:
             pass
-        cut = self.upstreams.abort_open()
+        cut = self.abort()
         log.warning("drain deadline passed: closing %d upstream stream(s)", cut)
         try:
             await asyncio.wait_for(self._idle.wait(), _ABORT_GRACE_S)

@@ -19,7 +19,7 @@ import socket
 from redis.exceptions import RedisError
 
 from proxy.ids import hex_id
-from proxy.runtime.store import Store
+from proxy.store.client import Store
 
 # Take the lease if free, keep it if ours; 1 when held by us after this call.
 # KEYS: the lease. ARGV: holder, ttl ms.

@@ -23,10 +23,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from redis.exceptions import RedisError
 
 from proxy.appkeys import METRICS, REDIS, ROUTER
-from proxy.runtime.fleet_state import BACKING_OFF, READY, STARTING, STOPPED, UNHEALTHY
 from proxy.runtime.master import MULTIPROC_ENV
-from proxy.runtime.store import Store
+from proxy.store.client import Store
 from proxy.tasks.store import GROUP, QUEUE
+from proxy.upstream.fleet_state import BACKING_OFF, READY, STARTING, STOPPED, UNHEALTHY
 from proxy.upstream.pool import Backend
 
 # Read at scrape time (not counted by the workers): the dashboard's test checks against these.

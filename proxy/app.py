@@ -37,6 +37,7 @@ from proxy.appkeys import (
     KEYSTORE,
     LEDGER,
     LIVE,
+    METERING,
     METRICS,
     OPENAPI,
     REDIS,
@@ -49,22 +50,17 @@ from proxy.appkeys import (
 from proxy.config import Config
 from proxy.credits.admission import Admitter
 from proxy.credits.ledger import Ledger
+from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
-from proxy.families.handlers import (
-    ASR,
-    IMAGE,
-    OPENAI_SPEECH,
-    OPENAI_TRANSCRIPTIONS,
-    OPENAI_TRANSLATIONS,
-    TTS,
-    VIDEO,
-)
+from proxy.families.providers import IMAGE, VIDEO
+from proxy.families.speech import OPENAI_SPEECH, TTS
+from proxy.families.transcription import ASR, OPENAI_TRANSCRIPTIONS, OPENAI_TRANSLATIONS
 from proxy.http.body import BODY_TIMEOUT_S
 from proxy.http.drain import Drain
 from proxy.identity.keystore import KeyStore
 from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics import Labels, Metrics, flush_metrics
-from proxy.pipeline import chat_route, task_route
+from proxy.pipeline import chat_route, queued, task_route
 from proxy.policy.live import RELOADS, LivePolicies
 from proxy.store.background import stop_task
 from proxy.store.client import Store, connect_redis, rate_limit_redis_url
@@ -74,7 +70,7 @@ from proxy.styles.base import ChatStyle
 from proxy.styles.ollama import OllamaStyle
 from proxy.styles.openai import OpenAIStyle
 from proxy.styles.served import ServedStyle
-from proxy.tasks.run import Runnable, run_task
+from proxy.tasks.run import Runnable
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
@@ -259,6 +255,8 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
         app[SETTLER] = Settler(app[LEDGER].primaries, [app[LEDGER].settle_script],
                                app[METRICS], ack_replicas=acks)
+        app[METERING] = Metering(app[ADMITTER], app[SETTLER], app[LEDGER].settle_script,
+                                 app[METRICS])
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
         # Policy reloads asked of any worker reach every worker over the same connection.
         notices = {RELOADS: app[LIVE].on_notice}
@@ -329,7 +327,7 @@ async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
     ones pending, for another worker to claim."""
     policy = app[CONFIG].policies.requests.tasks
     runner = TaskRunner(app[REDIS], app[TASKS],
-                        lambda account, task_id: run_task(app, RUNNABLE, account, task_id),
+                        lambda account, task_id: queued(app, RUNNABLE, account, task_id),
                         concurrency=policy.runners_per_worker, claim_idle_s=policy.claim_idle_s)
     loop = asyncio.create_task(runner.run())
     yield

@@ -11,6 +11,7 @@ from aiohttp.typedefs import Handler
 from proxy.config import Config
 from proxy.credits.admission import Admitter
 from proxy.credits.ledger import Ledger
+from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
 from proxy.http.drain import Drain
 from proxy.identity.keystore import KeyStore
@@ -32,6 +33,7 @@ REDIS: web.AppKey[Store] = web.AppKey("redis")
 KEYSTORE = web.AppKey("keystore", KeyStore)
 LIVE = web.AppKey("live", LivePolicies)
 ADMITTER = web.AppKey("admitter", Admitter)
+METERING = web.AppKey("metering", Metering)  # opens each request's meter (admit, settle)
 LEDGER = web.AppKey("ledger", Ledger)
 SETTLER = web.AppKey("settler", Settler)  # settlements queued, flushed in batches
 COUNTERS: web.AppKey[Store] = web.AppKey("counters")  # the rate-limit counters' Redis (guests)

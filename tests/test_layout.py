@@ -127,6 +127,71 @@ def test_no_import_cycle_between_modules_of_a_package() -> None:
         assert cycle is None, f"import cycle inside {room}: " + " -> ".join(cycle)
 
 
+# Where a request takes its one policy snapshot (`app[LIVE].current`): the entry points. Below
+# them everything reads the snapshot it was handed, so a reload mid-request changes nothing for
+# it. (module -> the functions that may take it; None: any, a route handler or a loop per read)
+SNAPSHOT_TAKERS: dict[str, set[str] | None] = {
+    "proxy/pipeline.py": {"chat", "task", "queued"},
+    "proxy/app.py": None,
+    **{f"proxy/api/{p.name}": None for p in (PROXY / "api").glob("*.py")},
+}
+
+
+def _key_reads(tree: ast.AST, key: str, attr: str) -> Iterator[tuple[str, int]]:
+    """(enclosing function, line) of every `<x>[KEY].attr` in `tree`, directly or through a
+    name the same function bound to `<x>[KEY]`."""
+    def is_key(node: ast.AST) -> bool:
+        return isinstance(node, ast.Subscript) and key in {
+            getattr(node.slice, "id", None), getattr(node.slice, "attr", None)}
+
+    def walk(node: ast.AST, function: str, bound: set[str]) -> Iterator[tuple[str, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield from walk(child, child.name, set())
+                continue
+            if isinstance(child, ast.Assign) and is_key(child.value):
+                bound |= {t.id for t in child.targets if isinstance(t, ast.Name)}
+            if isinstance(child, ast.Attribute) and child.attr == attr and (
+                    is_key(child.value)
+                    or (isinstance(child.value, ast.Name) and child.value.id in bound)):
+                yield function, child.lineno
+            yield from walk(child, function, bound)
+
+    yield from walk(tree, "<module>", set())
+
+
+def test_policies_come_from_one_snapshot_taken_at_the_entry_point() -> None:
+    """`[LIVE].current` only where a request (or a background loop) begins, once per function;
+    a policy value never from the boot-time config (`[CONFIG].policies`) but in app.py's
+    start-up."""
+    stale = []
+    for path in sorted(PROXY.rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        reads: dict[str, int] = {}
+        for function, line in _key_reads(tree, "LIVE", "current"):
+            allowed = SNAPSHOT_TAKERS.get(name, set())
+            if allowed is not None and function not in allowed:
+                stale.append(f"{name}:{line} in {function}(): [LIVE].current below the entry")
+            reads[function] = reads.get(function, 0) + 1
+            if reads[function] > 1:
+                stale.append(f"{name}:{line} in {function}(): a second snapshot")
+        if name != "proxy/app.py":
+            stale += [f"{name}:{line} in {function}(): the boot-time config's policies"
+                      for function, line in _key_reads(tree, "CONFIG", "policies")]
+    assert not stale, "\n".join(stale)
+
+
+def test_the_snapshot_check_sees_a_stale_read(tmp_path: Path) -> None:
+    source = ("async def produce(ctx):\n    return ctx.app[LIVE].current.policies\n"
+              "def cap(app):\n    return app[appkeys.CONFIG].policies.requests\n"
+              "async def chat(request):\n    config = request.app[CONFIG]\n"
+              "    return config.policies.requests.chat.max_body_bytes\n")
+    tree = ast.parse(source)
+    assert list(_key_reads(tree, "LIVE", "current")) == [("produce", 2)]
+    assert list(_key_reads(tree, "CONFIG", "policies")) == [("cap", 4), ("chat", 7)]
+
+
 def test_pure_modules_import_no_io_even_transitively() -> None:
     probe = (
         "import importlib, sys\n"

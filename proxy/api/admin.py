@@ -39,6 +39,7 @@ from proxy.http.body import read_json
 from proxy.identity import apikeys
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
+from proxy.policy.live import PolicySnapshot
 from proxy.upstream.fleet_state import STARTING
 from proxy.upstream.pool import Backend
 from proxy.validate import RequestInvalid, validate
@@ -83,25 +84,27 @@ def admin_token_matches(header: str | None, token: str | None) -> bool:
     return hmac.compare_digest(ours, theirs)
 
 
-async def require_admin(request: web.Request) -> None:
+async def require_admin(request: web.Request) -> PolicySnapshot:
     """The one authorization rule of every /admin route: the static token (read per request,
-    so it holds whatever the environment says now) or a valid admin-role JWT."""
+    so it holds whatever the environment says now) or a valid admin-role JWT. The policy
+    snapshot it judged by is the request's."""
+    snapshot = request.app[LIVE].current
     if admin_token_matches(request.headers.get("Authorization"), os.environ.get(ADMIN_TOKEN_ENV)):
-        return
+        return snapshot
     try:
-        principal = await request.app[LIVE].current.auth.principal(request.headers, None)
+        principal = await snapshot.auth.principal(request.headers, None)
     except GatewayError:
         principal = None
     if principal is not None and principal.kind == "jwt" and principal.role == "admin":
-        return
+        return snapshot
     raise GatewayError(ErrorKind.INVALID_API_KEY, "admin credentials required",
                        headers={"WWW-Authenticate": "Bearer"})
 
 
 async def create_key(request: web.Request) -> web.Response:
-    await require_admin(request)
+    snapshot = await require_admin(request)
     spec = _body(await read_json(request, _BODY_CAP), CreateKeyBody)
-    tiers = set(request.app[LIVE].current.policies.tiers.tiers) - {GUEST_TIER}
+    tiers = set(snapshot.policies.tiers.tiers) - {GUEST_TIER}
     if spec.tier not in tiers:
         names = ", ".join(repr(t) for t in sorted(tiers))
         raise validation_failed([{"loc": ["body", "tier"], "msg": f"Input should be {names}",

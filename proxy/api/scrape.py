@@ -23,7 +23,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from redis.exceptions import RedisError
 
 from proxy.appkeys import METRICS, REDIS, ROUTER
-from proxy.runtime.master import MULTIPROC_ENV
 from proxy.store.client import Store
 from proxy.tasks.store import GROUP, QUEUE
 from proxy.upstream.fleet_state import BACKING_OFF, READY, STARTING, STOPPED, UNHEALTHY
@@ -52,7 +51,7 @@ async def metrics(request: web.Request) -> web.Response:
     app = request.app
     app[METRICS].flush()  # this worker's counts up to now; the others' are at most FLUSH_S old
     registry = CollectorRegistry()
-    if os.environ.get(MULTIPROC_ENV):
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by the master (runtime.master)
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     else:
         registry.register(_Families(app[METRICS].registry.collect()))

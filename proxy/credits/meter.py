@@ -1,12 +1,18 @@
-"""One request's credits: the worst case it holds, and its settlement, queued exactly once.
+"""One request's money, in one object with one lifecycle:
 
-`open_meter` takes the request's worst case (priced by credits.pricing; the hold itself is placed
-by admission, in the same Redis step as the rate limit); `Meter.charge` charges what the request
-actually used (`ChatMeter` prices tokens, the other families their own units) on every exit path:
-success, upstream failure (nothing), cut stream or client gone (what was delivered), timeout,
-cancellation, and journals it. It queues the write (credits.settler) and returns at once, so it
-cannot be interrupted half-way and never delays the answer. Guests hold nothing and pay nothing,
-but their usage is journaled.
+    Metering.chat / .units   open: the worst case priced (guests hold nothing)
+    Meter.admit              the rate limit counted and the hold placed, one Redis step
+                             (credits.admission): 429, 402 or 503 when it may not run
+    Meter.handed_off         an async task took the hold over: its runner settles it
+    Meter.settle(result)     the charge for what was used, queued exactly once
+
+`settle` runs on every exit path (success, upstream failure: nothing; a cut stream: what was
+delivered; a client gone once the answer was made: the answer; timeout; cancellation) and is
+safe whatever happened before: `Stage` says how far admission got, so a hold that may exist is
+ended and one that cannot is not. It queues the write (credits.settler) and returns at once, so
+it cannot be interrupted half-way and never delays the answer. Guests pay nothing, but their
+usage is journaled. `Result` is the one record of what the request path learned, whatever the
+family; this module is the only writer of `Meter.stage`.
 """
 
 from __future__ import annotations
@@ -14,28 +20,65 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from redis.commands.core import AsyncScript
 
-from proxy.config import PricesPolicy, Rates
-from proxy.credits.admission import Hold
-from proxy.credits.ledger import new_hold_id, settle_call
-from proxy.credits.pricing import ChatUsage, chat_cost, chat_hold, prompt_estimate, usage_from
+from proxy.config import PricesPolicy, Rates, TierPolicy
+from proxy.credits.admission import Admitter, Hold, Window
+from proxy.credits.ledger import InsufficientCredits, new_hold_id, settle_call
+from proxy.credits.pricing import (
+    ChatUsage,
+    Units,
+    chat_cost,
+    chat_hold,
+    format_credits,
+    prompt_estimate,
+    units_cost,
+    usage_from,
+)
 from proxy.credits.settler import Settler
+from proxy.errors import ErrorKind, GatewayError
 from proxy.identity.principal import Principal
+from proxy.observe.metrics import Metrics
 from proxy.outcome import Outcome
-from proxy.styles.wire import ChunkFilter
+
+# The answer reached the client, or was made for it and the client left while it went out.
+DELIVERED = frozenset({Outcome.COMPLETED, Outcome.CLIENT_GONE})
+
+
+class Tally(Protocol):
+    """A streamed chat answer's count as it is relayed (styles.wire.ChunkFilter)."""
+
+    @property
+    def usage(self) -> dict[str, Any] | None: ...  # the engine's usage chunk, once seen
+
+    @property
+    def chunks(self) -> int: ...  # content chunks that reached the client
 
 
 @dataclass(slots=True)
 class Result:
-    """What the request path learned, filled in as it goes; read once at settlement."""
+    """What the request path learned of its answer, filled in as it goes; read once, at
+    settlement. Chat fills `usage` (a whole answer) or `tally` (a stream); the other families
+    fill `used`."""
 
     status: Outcome = Outcome.FAILED
-    usage: dict[str, Any] | None = None  # the upstream's usage (non-streamed answers)
-    chunks: ChunkFilter | None = None  # streamed answers: usage chunk and delivered count
-    captured: list[bytes] | None = None  # a stream's bytes as sent (for idempotent replay)
+    usage: dict[str, Any] | None = None  # the engine's own usage of a whole chat answer
+    tally: Tally | None = None  # a chat stream: its usage chunk, content delivered
+    used: Units = field(default_factory=Units)  # speech, transcription, image, video
+    captured: list[bytes] | None = None  # the bytes sent (an idempotent request's replay)
+
+    def answered(self, *, usage: dict[str, Any] | None = None, used: Units | None = None) -> None:
+        """The whole answer is made and about to go out: from here on it is charged, even if
+        the client leaves while it is sent (`Outcome.CLIENT_GONE` until `delivered`)."""
+        self.status = Outcome.CLIENT_GONE
+        self.usage = usage
+        if used is not None:
+            self.used = used
+
+    def delivered(self) -> None:
+        self.status = Outcome.COMPLETED
 
 
 class Stage(enum.Enum):
@@ -48,33 +91,111 @@ class Stage(enum.Enum):
     HANDED_OFF = enum.auto()  # an async task took the hold over: its runner settles it
 
 
+class Metering:
+    """A worker's admission and settlement writer, shared by every request: opens meters."""
+
+    def __init__(self, admitter: Admitter, settler: Settler, settle_script: AsyncScript,
+                 metrics: Metrics) -> None:
+        self.admitter = admitter
+        self.settler = settler
+        self.script = settle_script
+        self.metrics = metrics
+
+    def chat(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
+             route: str, request_id: str, body: dict[str, Any], cap: int) -> Meter:
+        """A chat request's meter: its worst case is the completion cap times `n` plus a bound
+        on the prompt; it is charged the tokens used."""
+        rates = prices.for_model(model, mode)
+        worst = chat_hold(rates, body, cap) if principal.kind != "guest" else 0
+        return self._open(prices, rates, principal, model, mode, route, request_id, worst, body)
+
+    def units(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
+              route: str, request_id: str, worst: Units) -> Meter:
+        """A speech, transcription, image or video request's meter: charged per unit used."""
+        rates = prices.for_model(model, mode)
+        return self._open(prices, rates, principal, model, mode, route, request_id,
+                          units_cost(rates, worst), None)
+
+    def resume(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
+               details: dict[str, Any], hold: Hold | None, body: dict[str, Any] | None
+               ) -> Meter:
+        """A queued task's meter again, in the runner: its hold was placed at submission."""
+        return Meter(self, principal, prices, prices.for_model(model, mode), model,
+                     {**details, "async": True}, hold, body, Stage.ADMITTED)
+
+    async def count(self, principal: Principal, tier: TierPolicy) -> Window:
+        """Count an attempt refused before admission (it holds nothing)."""
+        return await self.admitter.count(principal, principal.tier, tier)
+
+    def _open(self, prices: PricesPolicy, rates: Rates, principal: Principal, model: str,
+              mode: str, route: str, request_id: str, worst: int, body: dict[str, Any] | None
+              ) -> Meter:
+        details: dict[str, object] = {
+            "key_id": principal.key_id or "", "model": model, "mode": mode, "route": route,
+            "request_id": request_id, "price_version": prices.version,
+        }
+        hold = None
+        if principal.kind != "guest":
+            hold = Hold(new_hold_id(), worst, prices.hold_ttl_s)
+            details["held_max"] = worst
+        return Meter(self, principal, prices, rates, model, details, hold, body)
+
+
 @dataclass(slots=True)
 class Meter:
-    """One request's hold and its single settlement, whatever the task family."""
+    """One request's hold and its single settlement, whatever the family."""
 
+    metering: Metering
     principal: Principal
     prices: PricesPolicy
+    rates: Rates
     model: str
     details: dict[str, object]  # the journal fields known at admission
     hold: Hold | None  # None for guests
+    chat_body: dict[str, Any] | None  # chat: priced by tokens (the body bounds a cut prompt)
     stage: Stage = Stage.BEFORE
     started: float = field(default_factory=time.monotonic)
     charged: tuple[int, dict[str, int]] | None = None  # (cost, units) of the settlement queued
     _settled: bool = False
 
-    def charge(self, settler: Settler, script: AsyncScript, status: Outcome, cost: int,
-               units: dict[str, int], details: dict[str, object]) -> None:
-        """Queue the charge of `cost` for what was used (or the release, or a guest's journal
-        entry). Safe to call whatever happened before: a hold that may exist is ended (the
-        settle script does nothing for one that was never placed). Exactly once."""
+    async def admit(self, tier: TierPolicy) -> Window:
+        """Count the request in its tier's window and place its hold, in one step."""
+        principal = self.principal
+        self.stage = Stage.ADMITTING
+        try:
+            window = await self.metering.admitter.admit(principal, principal.tier, tier,
+                                                        self.hold)
+        except InsufficientCredits as exc:
+            self.stage = Stage.REFUSED
+            raise GatewayError(
+                ErrorKind.INSUFFICIENT_CREDITS,
+                f"this request may cost up to {format_credits(exc.needed)} credits and "
+                f"{format_credits(exc.available)} are available",
+            ) from None
+        except GatewayError as exc:
+            if exc.kind is not ErrorKind.UNAVAILABLE:  # 429: refused for sure; 503: unknown
+                self.stage = Stage.REFUSED
+            raise
+        self.stage = Stage.ADMITTED
+        return window
+
+    def handed_off(self) -> None:
+        """An async task holds the hold now; its runner settles it (tasks.run)."""
+        self.stage = Stage.HANDED_OFF
+
+    def settle(self, result: Result) -> tuple[int, dict[str, int]] | None:
+        """Queue the charge for what `result` says was used (or the release, or a guest's
+        journal entry); the (cost, units) queued, or None when there was nothing to end.
+        Exactly once: a second call does nothing."""
         if self._settled:
-            return
+            return None
         self._settled = True
         if self.stage in (Stage.BEFORE, Stage.REFUSED, Stage.HANDED_OFF):
-            return  # nothing held, nothing used (or not ours to end)
+            return None  # nothing held, nothing used (or not ours to end)
         if self.hold is None and self.stage is not Stage.ADMITTED:
-            return  # a guest that was not admitted used nothing
-        entry = {**self.details, **units, **details, "price": cost,
+            return None  # a guest that was not admitted used nothing
+        cost, units, extra = self._priced(result)
+        entry = {**self.details, **units, **extra, "price": cost,
                  "latency_ms": int((time.monotonic() - self.started) * 1000),
                  "ts": int(time.time())}
         prices = self.prices
@@ -84,59 +205,32 @@ class Meter:
             keep, ttl = prices.journal_max_entries, 0
         keys, args = settle_call(
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
-            self.hold.amount if self.hold else 0, status, self.model, units, entry, keep, ttl)
-        settler.settle(script, keys, args)
+            self.hold.amount if self.hold else 0, result.status, self.model, units, entry,
+            keep, ttl)
+        metering = self.metering
+        metering.settler.settle(metering.script, keys, args)
         self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing
+        metering.metrics.settled(self.model, self.principal.tier, *self.charged)
+        return self.charged
 
+    def _priced(self, result: Result) -> tuple[int, dict[str, int], dict[str, object]]:
+        """(cost, units for the running totals, journal details) of what was used."""
+        if self.chat_body is None:
+            used = result.used if result.status in DELIVERED else Units()
+            return units_cost(self.rates, used), used.counts(), {}
+        usage = self._chat_usage(result) or ChatUsage(0, 0)
+        return (chat_cost(self.rates, usage),
+                {"prompt_tokens": usage.prompt_tokens,
+                 "completion_tokens": usage.completion_tokens},
+                {"cached_tokens": usage.cached_tokens, "estimated": usage.estimated})
 
-def open_meter(prices: PricesPolicy, principal: Principal, model: str, mode: str, route: str,
-               request_id: str, worst: int) -> Meter:
-    """A meter whose hold is `worst` micro-credits (guests hold nothing)."""
-    details: dict[str, object] = {
-        "key_id": principal.key_id or "", "model": model, "mode": mode, "route": route,
-        "request_id": request_id, "price_version": prices.version,
-    }
-    hold = None
-    if principal.kind != "guest":
-        hold = Hold(new_hold_id(), worst, prices.hold_ttl_s)
-        details["held_max"] = worst
-    return Meter(principal, prices, model, details, hold)
-
-
-@dataclass(slots=True)
-class ChatMeter:
-    """A chat request's meter: its charge is priced from the tokens it used."""
-
-    meter: Meter
-    rates: Rates
-    body: dict[str, Any]
-
-    @property
-    def principal(self) -> Principal:
-        return self.meter.principal
-
-    def settle(self, settler: Settler, script: AsyncScript, result: Result) -> None:
-        usage = self._usage(result) or ChatUsage(0, 0)
-        units = {"prompt_tokens": usage.prompt_tokens,
-                 "completion_tokens": usage.completion_tokens}
-        self.meter.charge(settler, script, result.status, chat_cost(self.rates, usage), units,
-                          {"cached_tokens": usage.cached_tokens, "estimated": usage.estimated})
-
-    def _usage(self, result: Result) -> ChatUsage | None:
-        chunks = result.chunks
-        reported = usage_from(result.usage if chunks is None else chunks.usage)
+    def _chat_usage(self, result: Result) -> ChatUsage | None:
+        tally = result.tally
+        if tally is None:
+            return usage_from(result.usage) if result.status in DELIVERED else None
+        reported = usage_from(tally.usage)
         if reported is not None:
             return reported
-        delivered = chunks.chunks if chunks is not None else 0
-        if delivered:  # cut before the usage chunk: charge what reached the client
-            return ChatUsage(prompt_estimate(self.body), delivered, estimated=True)
+        if tally.chunks:  # cut before the usage chunk: charge what reached the client
+            return ChatUsage(prompt_estimate(self.chat_body or {}), tally.chunks, estimated=True)
         return None
-
-
-def open_chat_meter(prices: PricesPolicy, principal: Principal, model: str, body: dict[str, Any],
-                    cap: int, mode: str, route: str, request_id: str) -> ChatMeter:
-    """Price the request's worst case (the completion cap times `n` plus a bound on the prompt)."""
-    rates = prices.for_model(model, mode)
-    worst = chat_hold(rates, body, cap) if principal.kind != "guest" else 0
-    meter = open_meter(prices, principal, model, mode, route, request_id, worst)
-    return ChatMeter(meter, rates, body)

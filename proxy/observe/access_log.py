@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import orjson
 from aiohttp import web
 
-from proxy.credits.pricing import format_credits
 from proxy.observe.trace import Trace
 
 if TYPE_CHECKING:
@@ -90,8 +89,8 @@ class AccessLog:
             line["first_byte_ms"] = round(trace.first_byte_s * 1000, 1)
         if trace.units:
             line["units"] = trace.units
-        if trace.cost:
-            line["credits"] = format_credits(trace.cost)  # as the account API writes them
+        if trace.credits:
+            line["credits"] = trace.credits
         # A copy: orjson hands back its whole 4 KB working buffer (see wire.upstream_body).
         self._queue.put(bytes(memoryview(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))))
 

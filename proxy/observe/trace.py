@@ -27,7 +27,7 @@ class Trace:
     first_byte_s: float | None = None  # a stream's first content, from `started`
     outcome: str | None = None  # a stream's ending (proxy.outcome.Outcome)
     error: str | None = None  # the error type (DESIGN §6) of an error answer
-    cost: int = 0  # micro-credits the settlement charges
+    credits: str | None = None  # what the settlement charges, as the account API writes it
     units: dict[str, int] = field(default_factory=dict)  # tokens, characters, ... settled
 
     def first_byte(self) -> None:

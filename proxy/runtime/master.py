@@ -48,8 +48,8 @@ from proxy.upstream.fleet_state import RestartBackoff, signals_key
 
 log = logging.getLogger("proxy.runtime.master")
 
-WORKER_ENV = "IGW_WORKER"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client reads it at import
+WORKER_ENV = "IGW_WORKER"
 _EXIT_SLACK_S = 6.0  # beyond the drain: cutting the last streams (2 s), cleanup (2.5 s), exit
 
 

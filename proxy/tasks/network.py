@@ -11,22 +11,31 @@ can poll by its `task_address`.
              it reaches the quorum; else 502 (no two agreed) or the replicas' own failure
     record   `igw:{A}:task:<task_address>`: the answer and the agreement (replicas, agreeing,
              quorum, backends, fingerprints), kept [tasks] result_ttl_s
+
+The request path and the task runner produce network answers alike (`network_chat`,
+`network_answer`); only what they record beside the answer differs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from aiohttp import web
+from redis.exceptions import RedisError
 
-from proxy.appkeys import LIVE, TASKS
+from proxy.config import NetworkPolicy
 from proxy.errors import ErrorKind, GatewayError
+from proxy.families.base import Answer, Ctx, Family, Job
+from proxy.families.chat import fetch_completion
+from proxy.styles.base import ChatCall, ChatStyle
+from proxy.tasks.store import TaskStore
 from proxy.upstream.pool import Pool, Router
-from proxy.upstream.quorum import Verdict, task_address
+from proxy.upstream.quorum import Verdict, fingerprint, task_address
 from proxy.upstream.redundant import run_redundant
 
+log = logging.getLogger("proxy.tasks")
 T = TypeVar("T")
 
 
@@ -48,10 +57,9 @@ class Agreed:
     agreement: dict[str, Any]
 
 
-async def agreed(app: web.Application, pool: Pool, run_one: Callable[[Pool], Awaitable[T]],
+async def agreed(policy: NetworkPolicy, pool: Pool, run_one: Callable[[Pool], Awaitable[T]],
                  key: Callable[[T], str], request_id: str) -> Agreed:
     """Run on distinct backends; the answer a quorum agrees on (502 / the failure otherwise)."""
-    policy = app[LIVE].current.policies.requests.network
     backends = pool.pick_distinct(policy.replicas)
     verdict: Verdict[T] = await run_redundant(
         backends, lambda backend: run_one(Pool(pool.model, [backend])), key=key,
@@ -68,8 +76,41 @@ async def agreed(app: web.Application, pool: Pool, run_one: Callable[[Pool], Awa
         "backends": verdict.backends, "fingerprints": verdict.fingerprints})
 
 
-async def record(app: web.Application, account: str, done: Agreed, result: Any) -> None:
-    """The run, pollable at /v2/tasks/{task_address} by its owner."""
-    ttl = app[LIVE].current.policies.requests.tasks.result_ttl_s
-    await app[TASKS].put_completed(account, done.address, result, ttl_s=ttl,
-                                   extra={"agreement": done.agreement})
+async def network_chat(ctx: Ctx, store: TaskStore, account: str, style: ChatStyle,
+                       call: ChatCall, cap: int, pool: Pool, task_id: str
+                       ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """The completion a quorum agrees on, rendered in the style with its `task_address`, and
+    recorded (the record is the rendered answer); with the engine's usage and the address."""
+    network = ctx.policies.requests.network
+    done = await agreed(network, pool,
+                        lambda one: fetch_completion(ctx, call, cap, one, network.seed),
+                        fingerprint, ctx.request_id)
+    rendered = style.response(done.answer, call, task_id, "network")
+    rendered["task_address"] = done.address
+    await record(ctx, store, account, done, rendered)
+    return rendered, done.answer.get("usage"), done.address
+
+
+async def network_answer(ctx: Ctx, store: TaskStore, account: str, family: Family, job: Job,
+                         pool: Pool, recorded: Callable[[Answer], Any]) -> Answer:
+    """The answer (speech, so far) a quorum agrees on, recorded as `recorded(answer)` says,
+    with its `X-Task-Address`."""
+    done = await agreed(ctx.policies.requests.network, pool,
+                        lambda one: family.produce(ctx, job, one),
+                        lambda answer: fingerprint(answer.body), ctx.request_id)
+    answer: Answer = done.answer
+    await record(ctx, store, account, done, recorded(answer))
+    return Answer(answer.body, answer.content_type, answer.used,
+                  {**answer.headers, "X-Task-Address": done.address})
+
+
+async def record(ctx: Ctx, store: TaskStore, account: str, done: Agreed, result: Any) -> None:
+    """The run, pollable at /v2/tasks/{task_address} by its owner. A store that fails leaves
+    the answer standing: only its record is missing."""
+    try:
+        await store.put_completed(account, done.address, result,
+                                  ttl_s=ctx.policies.requests.tasks.result_ttl_s,
+                                  extra={"agreement": done.agreement})
+    except RedisError:
+        log.warning("network-mode run %s could not be recorded (request %s)", done.address,
+                    ctx.request_id)

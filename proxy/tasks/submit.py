@@ -1,7 +1,7 @@
 """Handing an admitted request over to the task queue (`async: true`): 202 and a poll URL.
 
 The request was admitted like any other (rate limit counted, worst case held); the hold goes
-with the task (`Stage.HANDED_OFF`), and the worker that runs it settles it. Past the account's
+with the task (`Meter.handed_off`), and the worker that runs it settles it. Past the account's
 cap on open tasks the answer is 429 and the hold is released as for any refused request.
 """
 
@@ -13,27 +13,29 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from proxy.appkeys import LIVE, REQUEST_ID, ROUTER, TASKS
-from proxy.credits.meter import Meter, Stage
+from proxy.credits.meter import Meter
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
+from proxy.families.base import Ctx
 from proxy.tasks.spec import TaskSpec
+from proxy.tasks.store import TaskStore
 
 
-async def submit(request: web.Request, meter: Meter, *, route: str, body: bytes, task_id: str,
-                 mode: str, cap: int | None = None) -> web.Response:
-    policy = request.app[LIVE].current.policies.requests.tasks
+async def submit(ctx: Ctx, store: TaskStore, meter: Meter, *, route: str, body: bytes,
+                 params: dict[str, str], task_id: str, mode: str, cap: int | None = None
+                 ) -> web.Response:
+    """Queue the request as a task (`route` names the path that runs it, `body` the client's
+    JSON, `params` the route's path parameters) and answer 202."""
+    policy = ctx.policies.requests.tasks
     principal, hold = meter.principal, meter.hold
     spec = TaskSpec(
-        id=task_id, route=route, body=body, params=dict(request.match_info),
-        headers=_forwardable(request), account=principal.account, tier=principal.tier,
-        kind=principal.kind, key_id=principal.key_id, request_id=request[REQUEST_ID],
-        mode=mode, model=meter.model, hold_id=hold.hold_id if hold else "",
-        held=hold.amount if hold else 0, details=meter.details, cap=cap,
-        created_at=int(time.time()))
+        id=task_id, route=route, body=body, params=params, headers=_forwardable(ctx),
+        account=principal.account, tier=principal.tier, kind=principal.kind,
+        key_id=principal.key_id, request_id=ctx.request_id, mode=mode, model=meter.model,
+        hold_id=hold.hold_id if hold else "", held=hold.amount if hold else 0,
+        details=meter.details, cap=cap, created_at=int(time.time()))
     try:
-        queued = await request.app[TASKS].submit(
-            spec, max_open=policy.max_open_per_account,
-            record_ttl_s=policy.result_ttl_s + policy.max_run_s)
+        queued = await store.submit(spec, max_open=policy.max_open_per_account,
+                                    record_ttl_s=policy.result_ttl_s + policy.max_run_s)
     except RedisError:
         raise store_unavailable("task store") from None
     if not queued:
@@ -41,16 +43,16 @@ async def submit(request: web.Request, meter: Meter, *, route: str, body: bytes,
                            f"this account has {policy.max_open_per_account} tasks still "
                            "running; poll them before submitting more",
                            headers={"Retry-After": "5"})
-    meter.stage = Stage.HANDED_OFF
+    meter.handed_off()
     poll = f"/v2/tasks/{task_id}"
     return web.Response(status=202, content_type="application/json", body=orjson.dumps({
         "task_id": task_id, "status": "running", "poll_url": poll,
         "message": f"accepted; poll {poll} until the status is completed or failed"}))
 
 
-def _forwardable(request: web.Request) -> dict[str, str]:
+def _forwardable(ctx: Ctx) -> dict[str, str]:
     """The client headers some backend forwards (`forward_headers`); nothing else is kept."""
     kept: dict[str, str] = {}
-    for backend in request.app[ROUTER].backends:
-        kept.update(backend.forward.select(request.headers))
+    for backend in ctx.router.backends:
+        kept.update(backend.forward.select(ctx.client_headers))
     return kept

@@ -1,4 +1,6 @@
-"""Relaying an upstream SSE stream to the client, event by event, as it arrives.
+"""Answers going back to the client: a whole one (`send_whole`), or an upstream SSE stream
+relayed event by event as it arrives (`relay_stream`). Either way the request's `Result` says
+how far it got, which is what the settlement charges.
 
 The client's format (OpenAI SSE, Anthropic events, Ollama NDJSON) is the encoder's business.
 
@@ -16,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
+from proxy.credits.meter import Result
 from proxy.errors import ErrorKind, GatewayError
 from proxy.http.sse import DONE, Event, SSEDecoder
 from proxy.observe.trace import TRACE
@@ -34,12 +36,15 @@ from proxy.upstream.pool import RETRY_AFTER_S
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@dataclass(slots=True)
-class StreamResult:
-    """How a relayed stream ended, for metering."""
-
-    outcome: Outcome
-    error: GatewayError | None = None
+async def send_whole(request: web.Request, response: web.Response, result: Result
+                     ) -> web.Response:
+    """Send a whole answer whose usage `result` already holds (`Result.answered`): it counts as
+    delivered once it is out, and as made for a client that left while it went out."""
+    result.status = Outcome.CLIENT_GONE
+    await response.prepare(request)
+    await response.write_eof()
+    result.delivered()
+    return response
 
 
 async def relay_stream(
@@ -48,19 +53,22 @@ async def relay_stream(
     chunks: ChunkFilter,
     encoder: StreamEncoder,
     headers: Mapping[str, str],
-    capture: list[bytes] | None = None,
+    result: Result,
     max_s: float | None = None,
-) -> tuple[web.StreamResponse, StreamResult]:
-    """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client.
+) -> web.StreamResponse:
+    """Upstream SSE -> `chunks` (normalise, meter) -> `encoder` (client's format) -> client;
+    `result` learns how it ended and what reached the client (the chunk filter's count).
 
-    `capture`, when given, receives every byte sent (an idempotent request's replay). `max_s`
-    bounds the whole stream: a request must end before its credit hold could expire."""
+    `result.captured`, when set, receives every byte sent (an idempotent request's replay).
+    `max_s` bounds the whole stream: a request must end before its credit hold could expire."""
     response = web.StreamResponse(
         status=200, headers={"Content-Type": encoder.content_type, **STREAM_HEADERS, **headers}
     )
     decoder = SSEDecoder()
     pending: list[bytes] = []
-    result = StreamResult(Outcome.COMPLETED)
+    capture = result.captured
+    result.tally = chunks
+    outcome, error = Outcome.COMPLETED, None
 
     def take(events: list[Event]) -> bool:
         """Queue the client's frames for these events; True once the upstream said [DONE]."""
@@ -86,41 +94,44 @@ async def relay_stream(
             else:
                 done = take(decoder.finish())
         if not done and not chunks.finished:
-            result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
-                             "the model server closed the stream before it finished")
+            outcome, error = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
+                                     "the model server closed the stream before it finished")
     except UpstreamStreamError as exc:  # busy is not broken (see Upstreams.exchange)
-        result = _failed(Outcome.FAILED,
-                         ErrorKind.UNAVAILABLE if exc.busy else ErrorKind.UPSTREAM_ERROR,
-                         exc.message)
+        outcome, error = _failed(Outcome.FAILED,
+                                 ErrorKind.UNAVAILABLE if exc.busy else ErrorKind.UPSTREAM_ERROR,
+                                 exc.message)
         if exc.reported and not exc.busy:
             # The upstream failed though its stream ended cleanly: mark its body so that the
             # exchange counts a failure (and has the backend probed) rather than a success.
             upstream.mark_broken(UpstreamStreamError(exc.message))
     except TimeoutError:  # the stream's own deadline, or the upstream's idle gap
-        result = _failed(Outcome.TIMEOUT, ErrorKind.UPSTREAM_TIMEOUT,
-                         "the stream ran longer than this gateway allows" if deadline.expired()
-                         else "the model server stopped sending before the stream finished")
+        outcome, error = _failed(
+            Outcome.TIMEOUT, ErrorKind.UPSTREAM_TIMEOUT,
+            "the stream ran longer than this gateway allows" if deadline.expired()
+            else "the model server stopped sending before the stream finished")
     except (http1.Disconnected, http1.BadResponse):
-        result = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
-                         "the model server closed the stream before it finished")
+        outcome, error = _failed(Outcome.CUT, ErrorKind.UPSTREAM_ERROR,
+                                 "the model server closed the stream before it finished")
 
     except ClientGone:
-        return response, StreamResult(Outcome.CLIENT_GONE)
+        result.status = Outcome.CLIENT_GONE
+        return response
 
-    if result.error is not None and not response.prepared and not pending:
+    if error is not None and not response.prepared and not pending:
         # Nothing for the client yet: a real HTTP status, or another backend's answer. Time
         # spent waiting is not spent twice.
-        raise UpstreamFailure(result.error.kind, result.error.message,
-                              retryable=result.outcome is not Outcome.TIMEOUT,
-                              headers=result.error.headers)
+        result.tally = None  # nothing reached the client: nothing to charge
+        raise UpstreamFailure(error.kind, error.message, retryable=outcome is not Outcome.TIMEOUT,
+                              headers=error.headers)
     tail = pending
-    tail.append(encoder.error(result.error) if result.error else encoder.end(chunks.usage))
+    tail.append(encoder.error(error) if error else encoder.end(chunks.usage))
     try:
         await _send(request, response, b"".join(tail), capture)
         await response.write_eof()
     except (ClientGone, ConnectionError):
-        return response, StreamResult(Outcome.CLIENT_GONE, result.error)
-    return response, result
+        outcome = Outcome.CLIENT_GONE
+    result.status = outcome
+    return response
 
 
 class ClientGone(Exception):
@@ -142,6 +153,6 @@ async def _send(request: web.Request, response: web.StreamResponse, data: bytes,
         raise ClientGone from exc
 
 
-def _failed(outcome: Outcome, kind: ErrorKind, message: str) -> StreamResult:
+def _failed(outcome: Outcome, kind: ErrorKind, message: str) -> tuple[Outcome, GatewayError]:
     busy = {"Retry-After": RETRY_AFTER_S} if kind is ErrorKind.UNAVAILABLE else None
-    return StreamResult(outcome, GatewayError(kind, message, headers=busy))
+    return outcome, GatewayError(kind, message, headers=busy)

@@ -1,0 +1,128 @@
+"""Chat on the request path, after admission: the style's request sent to an OpenAI-compatible
+backend (`/v1/chat/completions`), its answer relayed back in the style — a stream event by event,
+or a whole answer rendered and sent — or, for an async task, returned without a client.
+
+The completion cap the hold assumed is what the upstream gets (styles.wire.upstream_body), so
+no token is ever generated beyond the hold. A "prefix" pool keeps a prompt's prefix on one
+replica (`affinity`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.credits.meter import Result
+from proxy.errors import ErrorKind, GatewayError, validation_failed
+from proxy.families.base import Ctx
+from proxy.styles import wire
+from proxy.styles.base import ChatCall, ChatStyle
+from proxy.upstream import http1
+from proxy.upstream.client import read_answer
+from proxy.upstream.pool import Backend, Pool
+from proxy.upstream.relay import relay_stream, send_whole
+from proxy.upstream.routing import SESSION_HEADER, prefix_key
+from proxy.validate import RequestInvalid
+
+CHAT_UPSTREAM_PATH = "/v1/chat/completions"
+COMPLETION_MAX_BYTES = 64 * 1024 * 1024  # a whole chat answer; more is not a completion
+
+
+def parsed_call(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
+    """The client's body as the style reads it; 422 when it is not a valid request."""
+    try:
+        return style.parse(body)
+    except RequestInvalid as exc:
+        raise validation_failed(exc.detail) from None
+
+
+def check_context(call: ChatCall, context: int | None) -> None:
+    """422 for a cap no engine of the pool can give: prompt and completion share its context
+    (vLLM refuses it with a 400; better refused here, before anything is held)."""
+    if context is not None and call.max_tokens is not None and call.max_tokens > context:
+        raise validation_failed([{
+            "loc": list(call.cap_loc), "type": "less_than_equal",
+            "msg": f"Input should be less than or equal to {context}, the model's context "
+                   f"length (prompt and completion together)",
+        }])
+
+
+def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> bytes | None:
+    """The prefix a "prefix" pool keeps on one replica (hashed only where it is used)."""
+    if pool.pick_kind != "prefix":
+        return None
+    return prefix_key(call.openai_body, headers.get(SESSION_HEADER))
+
+
+async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int,
+                  pool: Pool, mode: str, task_id: str, headers: Mapping[str, str],
+                  result: Result) -> web.StreamResponse:
+    """Call a backend of `pool` and send its answer in the client's style (with `headers`):
+    a stream relayed as it comes, or a whole answer rendered; `result` learns what went out.
+    One retry on another backend for a failure before the client's first byte."""
+    upstream_headers = {
+        "Content-Type": "application/json",
+        "Accept": "text/event-stream" if call.stream else "application/json",
+        "X-Request-Id": ctx.request_id,
+    }
+
+    def body_for(backend: Backend) -> bytes:
+        return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap)
+
+    async def relay(backend: Backend, upstream: http1.Response) -> web.StreamResponse:
+        if call.stream:
+            chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
+            return await relay_stream(request, upstream, chunks, style.encoder(call, task_id),
+                                      headers, result, max_s=ctx.upstreams.settings.max_stream_s)
+        completion = wire.fix_response(await read_completion(upstream), backend.spec.kind,
+                                       call.model)
+        body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
+        result.answered(usage=completion.get("usage"))
+        return await send_whole(request, web.Response(
+            body=body, content_type="application/json", headers=headers), result)
+
+    return await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
+                                    ctx.client_headers, relay,
+                                    affinity(pool, call, ctx.client_headers))
+
+
+async def complete(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, pool: Pool, mode: str,
+                   task_id: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A whole chat answer without a client connection (an async task): the body rendered in
+    the style, and the upstream's usage."""
+    completion = await fetch_completion(ctx, call, cap, pool)
+    return style.response(completion, call, task_id, mode), completion.get("usage")
+
+
+async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
+                           seed: int | None = None) -> dict[str, Any]:
+    """One whole completion from `pool` as OpenAI shapes it (the backend's dialect fixed);
+    `seed` sent unless the client set one (network mode's replicas must sample alike)."""
+    body = call.openai_body if seed is None or "seed" in call.openai_body else {
+        **call.openai_body, "seed": seed}
+    headers = {"Content-Type": "application/json", "Accept": "application/json",
+               "X-Request-Id": ctx.request_id}
+
+    async def use(backend: Backend, upstream: http1.Response) -> dict[str, Any]:
+        return wire.fix_response(await read_completion(upstream), backend.spec.kind,
+                                 call.model)
+
+    return await ctx.upstreams.call(
+        pool, CHAT_UPSTREAM_PATH,
+        lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap), headers,
+        ctx.client_headers, use, affinity(pool, call, ctx.client_headers))
+
+
+async def read_completion(upstream: http1.Response) -> dict[str, Any]:
+    raw = await read_answer(upstream, COMPLETION_MAX_BYTES)
+    try:
+        completion = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        completion = None
+    if not isinstance(completion, dict) or "error" in completion:
+        raise GatewayError(ErrorKind.UPSTREAM_ERROR, "the model server sent an unusable answer")
+    return completion
+

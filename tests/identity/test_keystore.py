@@ -382,10 +382,11 @@ def test_cli_create_list_show_revoke(
                    "--config", cli_config) == 0
     out = capsys.readouterr()
     raw = out.out.splitlines()[0]
+    assert out.out == raw + "\n"  # the key alone on stdout: `KEY=$(... keys create ...)`
     assert apikeys.well_formed(raw, "igw")
     record = lookup(redis_server.url, raw)
     assert record is not None and record.active and record.tier == "pro"
-    assert f"id: {record.id}" in out.out and "not be shown again" in out.err
+    assert f"id: {record.id}" in out.err and "not be shown again" in out.err
     printed = out.out + out.err
 
     assert run_cli("keys", "list", "--config", cli_config) == 0
@@ -560,7 +561,7 @@ async def test_admin_bad_bodies(
 
 def test_cli_key_piped_to_head_exits_cleanly(cli_config: str, redis_server: RedisProcess
                                              ) -> None:
-    # The README's `KEY=$(inference-gateway keys create ... | head -n1)`: no traceback.
+    # Scripts written for the older two-line output pipe it to `head -n1`: no traceback.
     done = subprocess.run(
         f"{sys.executable} -m proxy keys create --account piped --tier basic "
         f"--config {cli_config} | head -n1", shell=True, capture_output=True, text=True,

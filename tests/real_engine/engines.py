@@ -2,7 +2,7 @@
 
 Everything heavy lives outside the clone, under $REAL_ENGINES_DIR (default ~/.cache/real-engines),
 and is reused when present: the vLLM venv (3.5 GB, ~2 min to install) and the tiny model. The
-same scripts serve the README's "Try it on a real engine" (scripts/real-engine/).
+same scripts serve docs/real-engine.md's "Try it on a real engine" (scripts/real-engine/).
 
 Each replica is `serve-tiny.sh` exec'ing `vllm serve` in a new session, so its API server,
 EngineCore and worker share one process group and are stopped together (SIGTERM, grace,

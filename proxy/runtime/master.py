@@ -36,6 +36,7 @@ from proxy.config import Config
 from proxy.runtime.embedded_redis import RedisStartError, SupervisedRedis
 from proxy.runtime.signal_scraper import SignalScraper
 from proxy.runtime.supervisor import Supervisor, terminate, tie_to_parent, wait_event
+from proxy.store.background import stop_task
 from proxy.store.client import (
     RATE_LIMIT_URL_ENV,
     connect_redis,
@@ -109,8 +110,9 @@ class Master:
             log.info("workers stopped; stopping %d supervised backend(s)",
                      len(supervisor.backends))
         finally:
-            scraper.cancel()
-            await asyncio.gather(scraper, return_exceptions=True)
+            # Cancelled again until it ends: a cancellation that lands in aiohttp's or
+            # redis-py's timeout handling can be swallowed (`serve` then hung on SIGTERM).
+            await stop_task(scraper)
             await supervisor.stop()
             await redis.aclose()
         return 0

@@ -52,15 +52,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.media.containers import (
-    CLUSTER,
-    SEGMENT,
-    Malformed,
-    ebml_elements,
-    mp4_boxes,
-    mp4_path,
-    uint,
-)
+from proxy.media.audio import NotAudio, decoded_length
 from proxy.simulators import vllm
 from proxy.simulators.faults import pause
 from proxy.simulators.runtime import (
@@ -98,6 +90,7 @@ FORMS_ANSWERED = ("json", "text", "verbose_json")
 _FORM_BASE_ITEMS = 13  # vLLM's pydantic input dict has 13 entries besides the form's keys
 GRANULARITIES = "timestamp_granularities[]"
 WHISPER_RATE = 16000  # what vLLM resamples every upload to
+PYAV_FORMATS = ("m4a", "webm")  # what vLLM decodes with PyAV: libsndfile cannot read them
 CPP_AUDIO = ("wav", "mp3", "flac")  # what whisper.cpp's miniaudio reads without --convert
 ONE_AT_A_TIME = web.AppKey("whisper_cpp_mutex", asyncio.Lock)
 
@@ -182,139 +175,7 @@ def _parse(form: Form, task: str) -> tuple[str, float, tuple[bool, bool, bool]]:
 # --- decoded lengths ---------------------------------------------------------------------
 # vLLM decodes uploads with libsndfile (WAV, FLAC, Ogg, MP3) or else PyAV (FFmpeg); its
 # duration is the samples the decoder puts out at 16 kHz, which for three containers is not
-# what the container states (proxy.media reads containers).
-
-
-def _opus_samples(packet: bytes) -> int:
-    """48 kHz samples in an Opus packet, from its TOC byte (RFC 6716 §3.1)."""
-    if not packet:
-        return 0
-    config, code = packet[0] >> 3, packet[0] & 3
-    if config < 12:  # SILK: 10, 20, 40, 60 ms
-        size = (480, 960, 1920, 2880)[config % 4]
-    elif config < 16:  # hybrid: 10, 20 ms
-        size = (480, 960)[config % 2]
-    else:  # CELT: 2.5, 5, 10, 20 ms
-        size = (120, 240, 480, 960)[config % 4]
-    if code == 0:
-        return size
-    if code in (1, 2):
-        return 2 * size
-    return size * (packet[1] & 0x3F) if len(packet) > 1 else 0
-
-
-def _ogg_opus_seconds(data: bytes) -> float | None:
-    """What FFmpeg decodes from Ogg Opus: every audio packet's samples, less the OpusHead
-    pre-skip and the end trimming the last (end-of-stream) page's granule implies (the
-    running timestamp, started where the first granule says, past that granule). FFmpeg's
-    muxer starts its granules a pre-skip in (3 s: the first 48,000 samples end at granule
-    48,312, the last page at 144,624), so the last granule less pre-skip overstates the
-    audio by a pre-skip; the decoder gets the 144,000 samples encoded. None when this is not
-    Ogg Opus."""
-    pos, serial, packet, index = 0, None, bytearray(), 0
-    total = 0  # 48 kHz samples of the audio packets so far
-    start: int | None = None  # the running timestamp's origin, from the first granule
-    skip = 0
-    trim = 0
-    while pos + 27 <= len(data) and data[pos : pos + 4] == b"OggS":
-        flags = data[pos + 5]
-        granule = int.from_bytes(data[pos + 6 : pos + 14], "little", signed=True)
-        count = data[pos + 26]
-        lacing = data[pos + 27 : pos + 27 + count]
-        body = pos + 27 + count
-        end = body + sum(lacing)
-        if len(lacing) < count or end > len(data):
-            break  # a cut-off page: the decoder stops at what it has
-        page_serial = data[pos + 14 : pos + 18]
-        serial = serial or page_serial
-        if page_serial == serial:
-            if not flags & 1:
-                packet.clear()  # not a continuation: whatever was pending is lost
-            offset = body
-            for value in lacing:
-                packet += data[offset : offset + value]
-                offset += value
-                if value == 255:
-                    continue
-                if index == 0:
-                    if not packet.startswith(b"OpusHead") or len(packet) < 19:
-                        return None
-                    skip = int.from_bytes(packet[10:12], "little")
-                elif index > 1:  # index 1: OpusTags
-                    total += _opus_samples(bytes(packet[:2]))
-                index += 1
-                packet.clear()
-            if granule >= 0 and index > 2:
-                if start is None:
-                    start = granule - total
-                if flags & 4:  # end of stream: FFmpeg trims what runs past the granule
-                    trim = max(0, start + total - granule)
-        pos = end
-    if index == 0:
-        return None
-    return max(0, total - skip - trim) / 48000
-
-
-# Matroska ids: Tracks, TrackEntry, TrackNumber, CodecID, CodecDelay; SimpleBlock,
-# BlockGroup, Block, DiscardPadding.
-_MKV_TRACKS, _MKV_ENTRY, _MKV_NUMBER, _MKV_CODEC, _MKV_DELAY = (0x1654AE6B, 0xAE, 0xD7, 0x86,
-                                                                0x56AA)
-_MKV_SIMPLE, _MKV_GROUP, _MKV_BLOCK, _MKV_DISCARD = 0xA3, 0xA0, 0xA1, 0x75A2
-
-
-def _mkv_opus_track(data: bytes, body: int, end: int) -> tuple[int, int] | None:
-    """(track number, CodecDelay in ns) of the first A_OPUS track in a Tracks element."""
-    for eid, tbody, tend in ebml_elements(data, body, end):
-        if eid != _MKV_ENTRY:
-            continue
-        fields = {fid: data[fbody:fend] for fid, fbody, fend in ebml_elements(data, tbody, tend)}
-        if fields.get(_MKV_CODEC, b"").rstrip(b"\x00") == b"A_OPUS":
-            number = int.from_bytes(fields.get(_MKV_NUMBER, b""), "big")
-            return number, int.from_bytes(fields.get(_MKV_DELAY, b""), "big")
-    return None
-
-
-def _webm_opus_seconds(data: bytes) -> float | None:
-    """What vLLM keeps of Opus in Matroska/WebM (PyAV decodes it): every block's samples, less the
-    CodecDelay (the pre-skip) and each block's DiscardPadding (the last block's end trim).
-    The container's Duration counts the last block whole, so it overstates by the padding
-    (3 s: 3.008). Browser MediaRecorder files, with no Duration at all, are read the same
-    way. None when there is no Opus track or its blocks are laced."""
-    segment = next(((b, e) for i, b, e in ebml_elements(data, 0, len(data)) if i == SEGMENT),
-                   None)
-    if segment is None:
-        return None
-    track, total, discard = None, 0, 0
-    for eid, body, end in ebml_elements(data, *segment):
-        if eid == _MKV_TRACKS and track is None:
-            track = _mkv_opus_track(data, body, end)
-        if eid != CLUSTER or track is None:
-            continue
-        for bid, bbody, bend in ebml_elements(data, body, end):
-            if bid == _MKV_GROUP:
-                parts = {i: (b, e) for i, b, e in ebml_elements(data, bbody, bend)}
-                if _MKV_DISCARD in parts:
-                    at, stop = parts[_MKV_DISCARD]
-                    discard += int.from_bytes(data[at:stop], "big", signed=True)
-                if _MKV_BLOCK not in parts:
-                    continue
-                bbody, bend = parts[_MKV_BLOCK]
-            elif bid != _MKV_SIMPLE:
-                continue
-            # A block: its track number (a vint), a 16-bit time offset, flags, the frame.
-            first = data[bbody] if bbody < bend else 0
-            width = 9 - first.bit_length() if first else 9
-            number = int.from_bytes(data[bbody : bbody + width], "big") & ((1 << 7 * width) - 1)
-            if number != track[0] or width > 8:
-                continue
-            flags = data[bbody + width + 2] if bbody + width + 2 < bend else 0
-            if flags & 0x06:
-                return None  # laced blocks: several frames, counted by nobody here
-            total += _opus_samples(bytes(data[bbody + width + 3 : bbody + width + 5]))
-    if track is None:
-        return None
-    skip = track[1] * 48000 // 1_000_000_000
-    return _resampled(max(0, total - skip - discard * 48000 // 1_000_000_000) / 48000, 48000)
+# what the container states (proxy.media.audio.decoded_length).
 
 
 def _resampled(seconds: float, rate: int) -> float:
@@ -328,75 +189,18 @@ def _resampled(seconds: float, rate: int) -> float:
     return max(0, math.floor(seconds * WHISPER_RATE + 1e-9) - lost) / WHISPER_RATE
 
 
-def _mp4_aac_seconds(data: bytes) -> float | None:
-    """What vLLM keeps of AAC in MP4 (PyAV decodes it): every frame whole, 1024 samples each
-    (the last frame's padding is kept, whatever its stts delta says), less the samples the edit list
-    skips at the start (its first `media_time`: the priming, when the muxer wrote it so;
-    FFmpeg writes 0 unless the frames carry timestamps). mvhd states the edited length, so it
-    is shorter by the padding. None when there is no AAC sound track with a sample table
-    (fragmented files)."""
-    moov = mp4_path(data, 0, len(data), b"moov")
-    if moov is None:
-        return None
-    for kind, body, end in mp4_boxes(data, *moov):
-        if kind != b"trak":
-            continue
-        hdlr = mp4_path(data, body, end, b"mdia", b"hdlr")
-        if hdlr is None or data[hdlr[0] + 8 : hdlr[0] + 12] != b"soun":
-            continue
-        mdhd = mp4_path(data, body, end, b"mdia", b"mdhd")
-        stbl = mp4_path(data, body, end, b"mdia", b"minf", b"stbl")
-        stsd = stsz = None
-        if stbl is not None:
-            stsd, stsz = mp4_path(data, *stbl, b"stsd"), mp4_path(data, *stbl, b"stsz")
-        if mdhd is None or stsd is None or stsz is None:
-            return None
-        entry = stsd[0] + 8  # the first sample entry's box: size, type, then its body
-        if data[entry + 4 : entry + 8] != b"mp4a":
-            return None
-        wide = uint(data, mdhd[0], 1) == 1
-        scale = uint(data, mdhd[0] + (20 if wide else 12), 4)
-        rate = uint(data, entry + 8 + 24, 4) >> 16 or scale  # AudioSampleEntry's 16.16 rate
-        frames = uint(data, stsz[0] + 8, 4)
-        if not (scale and rate and frames):
-            return None
-        return _resampled(max(0.0, frames * 1024 / rate - _edit_skip(data, body, end) / scale),
-                          rate)
-    return None
-
-
-def _edit_skip(data: bytes, trak: int, end: int) -> int:
-    """The first edit's media time (mdhd ticks) in the track's edit list; 0 when none."""
-    elst = mp4_path(data, trak, end, b"edts", b"elst")
-    if elst is None:
-        return 0
-    width = 8 if uint(data, elst[0], 1) == 1 else 4  # version 1: 64-bit times
-    step = 2 * width + 4  # segment duration, media time (signed), rate
-    count = min(uint(data, elst[0] + 4, 4), 16)
-    for at in range(elst[0] + 8, elst[0] + 8 + step * count, step):
-        if at + step > elst[1]:
-            break  # a cut-off entry
-        media_time = int.from_bytes(data[at + width : at + 2 * width], "big", signed=True)
-        if media_time >= 0:  # -1: an empty edit (a delay), not a skip
-            return media_time
-    return 0
-
-
 def _decoded_seconds(data: bytes, heard: Heard) -> float:
     """The duration vLLM's decoder finds: the container's, except where FFmpeg's decoded
-    length differs (Opus in Ogg and WebM, AAC in MP4)."""
+    length differs (Opus in Ogg and WebM, AAC in MP4), less what PyAV's resampling loses."""
     try:
-        if heard.format == "ogg":
-            seconds = _ogg_opus_seconds(data)
-        elif heard.format == "m4a":
-            seconds = _mp4_aac_seconds(data)
-        elif heard.format == "webm":
-            seconds = _webm_opus_seconds(data)
-        else:
-            seconds = None
-    except (Malformed, IndexError, ValueError):
-        seconds = None
-    return heard.duration_s if seconds is None else seconds
+        decoded = decoded_length(data)
+    except NotAudio:
+        decoded = None
+    if decoded is None:
+        return heard.duration_s
+    if heard.format in PYAV_FORMATS:
+        return _resampled(decoded.seconds, decoded.rate)
+    return decoded.seconds
 
 
 def _decode(data: bytes) -> Heard:

@@ -236,20 +236,6 @@ class HttpError(Exception):
 ErrorStyle = Callable[[HttpError], web.Response]
 
 
-def openai_error(exc: HttpError) -> web.Response:
-    """OpenAI's envelope (protocols.md §1.6): all four keys, `code` a string or null."""
-    if exc.error_type is not None:
-        error_type = exc.error_type
-    elif exc.status == 429:
-        error_type = "requests"
-    else:
-        error_type = "server_error" if exc.status >= 500 else "invalid_request_error"
-    code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else None)
-    body = {"error": {"message": exc.message, "type": error_type, "param": exc.param,
-                      "code": code}}
-    return json_response(body, status=exc.status)
-
-
 def _simulated(status: int) -> HttpError:
     """The error an `x-sim-status` asks for, worded as faults.error_response words it."""
     try:
@@ -624,15 +610,6 @@ async def health_status(request: web.Request) -> web.Response:
     if request.app[STATE].healthy:
         return json_response({"status": "ok"})
     return json_response({"status": "loading model"}, status=503)
-
-
-async def openai_models(request: web.Request) -> web.Response:
-    """OpenAI's `GET /v1/models` list, for the facades that serve one."""
-    created = int(time.time())
-    models = request.app[STATE].config.models
-    return json_response({"object": "list", "data": [
-        {"id": model, "object": "model", "created": created, "owned_by": "system"}
-        for model in models]})
 
 
 def add_sim_routes(app: web.Application) -> None:

@@ -23,7 +23,8 @@ import time
 from aiohttp import web
 
 from proxy.media.visual import Pixel, png_bytes
-from proxy.simulators.faults import pause
+from proxy.simulators.bodies import json_response
+from proxy.simulators.exchange import Exchange
 from proxy.simulators.openai_facade import (
     add_facade_routes,
     choice,
@@ -32,7 +33,6 @@ from proxy.simulators.openai_facade import (
     prompted,
     wrong_type,
 )
-from proxy.simulators.runtime import Exchange, json_response
 
 MAX_PROMPT = 4000  # DALL-E 2's limit
 SIZES = ("256x256", "512x512", "1024x1024")
@@ -68,8 +68,7 @@ async def generations(ex: Exchange) -> web.StreamResponse:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise wrong_type("seed", "an integer", seed)
-    if ex.config.ttft_s > 0:
-        await pause(ex.request, ex.config.ttft_s)
+    await ex.processing()
     side = min(int(size.split("x")[0]), MAX_RENDER)
     data = []
     for index in range(n):

@@ -9,16 +9,11 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.simulators.runtime import (
-    STATE,
-    Exchange,
-    Handler,
-    HttpError,
-    health_status,
-    inference,
-    json_object,
-    json_response,
-)
+from proxy.simulators.bodies import json_object, json_response
+from proxy.simulators.errors import HttpError
+from proxy.simulators.exchange import Exchange
+from proxy.simulators.runtime import Handler, inference
+from proxy.simulators.state import STATE, health_status
 
 _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
                list: "an array", dict: "an object"}

@@ -34,7 +34,9 @@ from typing import Any
 from aiohttp import web
 
 from proxy.media.wav import BadAudio, read_wav, wav_bytes
-from proxy.simulators.faults import StreamEnded, before_event, pause
+from proxy.simulators.bodies import json_object
+from proxy.simulators.exchange import Exchange
+from proxy.simulators.faults import StreamEnded, before_event
 from proxy.simulators.openai_facade import (
     add_facade_routes,
     check_length,
@@ -45,7 +47,6 @@ from proxy.simulators.openai_facade import (
     string,
     wrong_type,
 )
-from proxy.simulators.runtime import Exchange, json_object
 from proxy.simulators.speech import (
     DEFAULT_VOICES,
     Speaker,
@@ -121,8 +122,7 @@ async def speech(ex: Exchange) -> web.StreamResponse:
 async def send_chunked(ex: Exchange, payload: bytes, content_type: str) -> web.StreamResponse:
     """Write `payload` in CHUNKS chunks (after `--ttft-ms`), honouring the stream faults."""
     request = ex.request
-    if ex.config.ttft_s > 0:
-        await pause(request, ex.config.ttft_s)
+    await ex.processing()
     response = web.StreamResponse(headers={"Content-Type": content_type})
     response.enable_chunked_encoding()
     ex.stream = response

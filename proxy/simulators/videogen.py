@@ -21,7 +21,7 @@ import numpy as np
 from aiohttp import web
 
 from proxy.media.visual import avi_bytes
-from proxy.simulators.faults import pause
+from proxy.simulators.exchange import Exchange
 from proxy.simulators.openai_facade import (
     add_facade_routes,
     integer,
@@ -30,7 +30,6 @@ from proxy.simulators.openai_facade import (
     prompted,
     string,
 )
-from proxy.simulators.runtime import Exchange
 
 MAX_SIDE = 256
 MIN_SECONDS, MAX_SECONDS = 1.0, 20.0
@@ -66,8 +65,7 @@ async def generations(ex: Exchange) -> web.StreamResponse:
         raise invalid(f"Invalid 'size': '{size}'. Expected 'WIDTHxHEIGHT', each side 1 to "
                       f"{MAX_SIDE} pixels.", "size")
     width, height = int(match[1]), int(match[2])
-    if ex.config.ttft_s > 0:
-        await pause(ex.request, ex.config.ttft_s)
+    await ex.processing()
     count = max(1, round(seconds * fps))
     # The largest video (600 frames of 256x256) takes seconds to build: in a thread, so the
     # server keeps answering meanwhile.

@@ -54,16 +54,10 @@ from aiohttp.typedefs import Handler
 
 from proxy.media.audio import NotAudio, decoded_length
 from proxy.simulators import vllm
-from proxy.simulators.faults import pause
-from proxy.simulators.runtime import (
-    EventWriter,
-    Exchange,
-    FormField,
-    HttpError,
-    health_status,
-    inference,
-    json_response,
-)
+from proxy.simulators.bodies import Form, json_response
+from proxy.simulators.errors import HttpError
+from proxy.simulators.exchange import EventWriter, Exchange
+from proxy.simulators.runtime import inference
 from proxy.simulators.speech import (
     LANGUAGES,
     MAX_CHUNK_S,
@@ -78,6 +72,7 @@ from proxy.simulators.speech import (
     segments,
     usage_seconds,
 )
+from proxy.simulators.state import health_status
 
 MAX_MODEL_LEN = 448  # Whisper's max_target_positions, as vLLM lists it
 MAX_FILE_MB = 25  # VLLM_MAX_AUDIO_CLIP_FILESIZE_MB
@@ -93,25 +88,6 @@ WHISPER_RATE = 16000  # what vLLM resamples every upload to
 PYAV_FORMATS = ("m4a", "webm")  # what vLLM decodes with PyAV: libsndfile cannot read them
 CPP_AUDIO = ("wav", "mp3", "flac")  # what whisper.cpp's miniaudio reads without --convert
 ONE_AT_A_TIME = web.AppKey("whisper_cpp_mutex", asyncio.Lock)
-
-
-class Form:
-    def __init__(self, fields: Sequence[FormField]) -> None:
-        self.fields = fields
-
-    def get(self, name: str) -> FormField | None:
-        return next((f for f in self.fields if f.name == name), None)
-
-    def text(self, name: str) -> str | None:
-        field = self.get(name)
-        if field is None:
-            return None
-        value = field.value
-        return value if isinstance(value, str) else value.decode("utf-8", "replace")
-
-    def texts(self, name: str) -> list[str]:
-        return [f.value if isinstance(f.value, str) else f.value.decode("utf-8", "replace")
-                for f in self.fields if f.name == name]
 
 
 def bad(message: str, param: str | None = None) -> HttpError:
@@ -260,8 +236,7 @@ async def openai_audio(ex: Exchange, task: str) -> web.StreamResponse:
     language = form.text("language")
     if language is not None and language not in VLLM_LANGUAGES and language not in LANGUAGES:
         raise bad(f"Unsupported language: {language!r}.  Must be one of {list(VLLM_LANGUAGES)}.")
-    if ex.config.ttft_s > 0:
-        await pause(ex.request, ex.config.ttft_s)
+    await ex.processing()
     text, duration = _transcript(data, heard)
     segs = segments(text, duration)
     if stream:
@@ -385,8 +360,7 @@ async def _whisper_cpp(ex: Exchange) -> web.StreamResponse:
         heard = None
     if heard is None or heard.format not in CPP_AUDIO:
         raise HttpError(status, "failed to read audio data")
-    if ex.config.ttft_s > 0:
-        await pause(ex.request, ex.config.ttft_s)
+    await ex.processing()
     text, duration = _transcript(data, heard)
     segs = segments(text, duration)
     fmt = form.text("response_format") or "json"

@@ -3,7 +3,9 @@
 Formats are told by magic bytes only: a file part's name and Content-Type are client claims.
 Every reader here works on hostile bytes: loops are bounded by counts or by forward progress,
 nothing recurses, and any structural fault surfaces as `NotAudio`, never as IndexError or
-struct.error. The MP4 and Matroska readers live in containers.py, shared with video.
+struct.error. The MP4 and Matroska readers live in containers.py and matroska.py, shared with
+video. `decoded_length` tells where FFmpeg's decoders put out another length than the
+container states (Opus's pre-skip and end trimming, AAC's whole frames).
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.media.containers import Malformed, ebml_doctype, read_ebml, read_mp4, uint
+from proxy.media.containers import (
+    Decoded,
+    Malformed,
+    opus_samples,
+    read_mp4,
+    read_mp4_aac,
+    uint,
+)
+from proxy.media.matroska import ebml_doctype, read_ebml, read_ebml_opus
 from proxy.media.wav import BadAudio, read_wav
 
 AudioFormat = Literal["wav", "mp3", "m4a", "webm", "flac", "ogg"]
@@ -193,29 +203,41 @@ def _probe_flac(data: bytes) -> AudioInfo:
 # --- Ogg ----------------------------------------------------------------------------------
 
 _NO_GRANULE = 0xFFFFFFFFFFFFFFFF  # no packet ends on this page
+_NEGATIVE_GRANULE = 1 << 63  # granules are signed: from here on, no timestamp
 
 
-def _ogg_page(data: bytes, pos: int) -> tuple[int, int, int, int]:
-    """(granule, serial, first packet's offset, its length) of the page at `pos`."""
+@dataclass(frozen=True, slots=True)
+class _Page:
+    flags: int  # 1: continues a packet, 2: first page, 4: last page
+    granule: int  # as written, unsigned
+    serial: int
+    lacing: bytes  # the segment sizes: a packet ends at the first one below 255
+    body: int  # where the first segment starts
+
+    @property
+    def end(self) -> int:
+        return self.body + sum(self.lacing)
+
+
+def _ogg_page(data: bytes, pos: int) -> _Page:
     if data[pos : pos + 4] != b"OggS" or uint(data, pos + 4, 1) != 0:
         raise Malformed("bad Ogg page")
-    granule = uint(data, pos + 6, 8, "little")
-    serial = uint(data, pos + 14, 4, "little")
     count = uint(data, pos + 26, 1)
     lacing = data[pos + 27 : pos + 27 + count]
     if len(lacing) < count:
         raise Malformed("Ogg page is truncated")
-    length = 0
-    for value in lacing:  # a packet ends at the first lacing value below 255
-        length += value
-        if value < 255:
-            break
-    return granule, serial, pos + 27 + count, length
+    return _Page(data[pos + 5], uint(data, pos + 6, 8, "little"),
+                 uint(data, pos + 14, 4, "little"), lacing, pos + 27 + count)
 
 
 def _probe_ogg(data: bytes) -> AudioInfo:
-    _, serial, body, length = _ogg_page(data, 0)
-    head = data[body : body + length]
+    first = _ogg_page(data, 0)
+    length = 0
+    for value in first.lacing:
+        length += value
+        if value < 255:
+            break
+    head = data[first.body : first.body + length]
     rate: int | None
     skip = 0
     if head.startswith(b"OpusHead") and len(head) >= 19:
@@ -236,12 +258,59 @@ def _probe_ogg(data: bytes) -> AudioInfo:
             break
         end = pos + 3
         try:
-            granule, page_serial, _, _ = _ogg_page(data, pos)
+            page = _ogg_page(data, pos)
         except Malformed:
             continue  # "OggS" inside a packet, or a cut-off last page
-        if page_serial == serial and granule != _NO_GRANULE:
-            return AudioInfo("ogg", max(0, granule - skip) / rate, rate, channels)
+        if page.serial == first.serial and page.granule != _NO_GRANULE:
+            return AudioInfo("ogg", max(0, page.granule - skip) / rate, rate, channels)
     return AudioInfo("ogg", None, rate, channels)
+
+
+def _ogg_opus(data: bytes) -> Decoded | None:
+    """What FFmpeg decodes from Ogg Opus: every audio packet's samples, less the OpusHead
+    pre-skip and the end trimming the last (end-of-stream) page's granule implies (the
+    running timestamp, started where the first granule says, past that granule). FFmpeg's
+    muxer starts its granules a pre-skip in (3 s: the first 48,000 samples end at granule
+    48,312, the last page at 144,624), so the last granule less pre-skip overstates the
+    audio by a pre-skip; the decoder gets the 144,000 samples encoded. None when this is not
+    Ogg Opus."""
+    pos, serial, index, packet = 0, None, 0, bytearray()
+    total = skip = trim = 0  # 48 kHz samples of the audio packets so far; pre-skip; trimmed
+    start: int | None = None  # the running timestamp's origin, from the first granule
+    while pos + 27 <= len(data):
+        try:
+            page = _ogg_page(data, pos)
+        except Malformed:
+            break  # a cut-off page: the decoder stops at what it has
+        body, pos = page.body, page.end
+        if pos > len(data):
+            break
+        serial = page.serial if serial is None else serial
+        if page.serial != serial:
+            continue
+        if not page.flags & 1:
+            packet.clear()  # not a continuation: whatever was pending is lost
+        for value in page.lacing:
+            packet += data[body : body + value]
+            body += value
+            if value == 255:
+                continue
+            if index == 0:
+                if not packet.startswith(b"OpusHead") or len(packet) < 19:
+                    return None
+                skip = int.from_bytes(packet[10:12], "little")
+            elif index > 1:  # index 1: OpusTags
+                total += opus_samples(bytes(packet[:2]))
+            index += 1
+            packet.clear()
+        if page.granule < _NEGATIVE_GRANULE and index > 2:
+            if start is None:
+                start = page.granule - total
+            if page.flags & 4:  # end of stream: FFmpeg trims what runs past the granule
+                trim = max(0, start + total - page.granule)
+    if index == 0:
+        return None
+    return Decoded(max(0, total - skip - trim) / 48000, 48000)
 
 
 # --- identification -----------------------------------------------------------------------
@@ -289,3 +358,21 @@ def probe(data: bytes) -> AudioInfo:
     except (BadAudio, Malformed) as exc:
         raise NotAudio(f"broken {kind} file: {exc}") from None
     return AudioInfo(kind, info.duration_s, info.sample_rate, info.channels)
+
+
+def decoded_length(data: bytes) -> Decoded | None:
+    """What FFmpeg's decoder puts out where that is not the container's duration: Opus in Ogg
+    and in WebM (less its pre-skip and end trimming), AAC in MP4 (whole frames, less the
+    edit list's skip). None for other formats and codecs, or when the file does not tell;
+    `NotAudio` if its container is broken."""
+    kind = sniff(data)
+    try:
+        if kind == "ogg":
+            return _ogg_opus(data)
+        if kind == "m4a":
+            return read_mp4_aac(data)
+        if kind == "webm":
+            return read_ebml_opus(data)
+    except Malformed as exc:
+        raise NotAudio(f"broken {kind} file: {exc}") from None
+    return None

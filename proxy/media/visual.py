@@ -2,7 +2,8 @@
 
 The image/video simulators return real files (RGB PNG, uncompressed AVI) so clients and
 players can open what they get; the gateway meters generated media by probing the bytes.
-Probes read hostile input with the bounded readers of containers.py and raise `NotMedia`.
+Probes read hostile input with the bounded readers of containers.py and matroska.py and raise
+`NotMedia`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from proxy.media.containers import (
-    Malformed,
-    ebml_doctype,
-    read_ebml,
-    read_mp4,
-    riff_chunks,
-    uint,
-)
+from proxy.media.containers import Malformed, read_mp4, riff_chunks, uint
+from proxy.media.matroska import ebml_doctype, read_ebml
 
 ImageFormat = Literal["png", "jpeg", "webp", "gif"]
 VideoFormat = Literal["mp4", "webm", "avi", "gif"]

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from proxy.simulators import imagegen, tgi, tts, videogen, vllm, whisper
-from proxy.simulators.runtime import STATE, SimConfig, SimState, add_sim_routes
+from proxy.simulators.config import SimConfig
+from proxy.simulators.state import STATE, SimState, add_sim_routes
 
 CHAT_KINDS = ("tgi", "vllm")
 MEDIA_KINDS = ("tts", "whisper", "image", "video")

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.simulators import KINDS, SimConfig, build_app
-from proxy.simulators.runtime import STATE
+from proxy.simulators.state import STATE
 
 # The chat kinds listen where the real servers do. The media kinds' ports are this project's
 # choice, apart from the usual 8000/8080 so they can run beside a vLLM: 8880 is Kokoro-FastAPI's

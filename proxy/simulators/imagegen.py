@@ -23,17 +23,16 @@ import time
 from aiohttp import web
 
 from proxy.media.visual import Pixel, png_bytes
-from proxy.simulators.faults import pause
-from proxy.simulators.runtime import (
-    Exchange,
-    health_status,
-    inference,
-    json_object,
-    json_response,
-    openai_error,
-    openai_models,
+from proxy.simulators.bodies import json_response
+from proxy.simulators.exchange import Exchange
+from proxy.simulators.openai_facade import (
+    add_facade_routes,
+    choice,
+    integer,
+    invalid,
+    prompted,
+    wrong_type,
 )
-from proxy.simulators.tts import choice, integer, invalid, known_model, string, wrong_type
 
 MAX_PROMPT = 4000  # DALL-E 2's limit
 SIZES = ("256x256", "512x512", "1024x1024")
@@ -59,18 +58,7 @@ def painter(key: bytes, side: int) -> Pixel:
 
 
 async def generations(ex: Exchange) -> web.StreamResponse:
-    body = json_object(ex.record.body)
-    ex.model = string(body, "model") or ex.config.models[0]
-    known_model(ex, ex.model)
-    prompt = string(body, "prompt", required=True)
-    assert prompt is not None
-    if not prompt:
-        raise invalid("Invalid 'prompt': empty string. Expected a string with minimum length 1, "
-                      "but got an empty string instead.", "prompt", "empty_string")
-    if len(prompt) > MAX_PROMPT:
-        raise invalid(f"Invalid 'prompt': string too long. Expected a string with maximum "
-                      f"length {MAX_PROMPT}, but got a string with length {len(prompt)} "
-                      "instead.", "prompt", "string_above_max_length")
+    body, prompt = prompted(ex, MAX_PROMPT)
     n = integer(body, "n", 1, 1, MAX_N)
     size = choice(body, "size", "1024x1024", SIZES)
     fmt = choice(body, "response_format", "b64_json", ("url", "b64_json"))
@@ -80,19 +68,15 @@ async def generations(ex: Exchange) -> web.StreamResponse:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise wrong_type("seed", "an integer", seed)
-    if ex.config.ttft_s > 0:
-        await pause(ex.request, ex.config.ttft_s)
+    await ex.processing()
     side = min(int(size.split("x")[0]), MAX_RENDER)
     data = []
     for index in range(n):
         key = f"{seed}\0{prompt}\0{index}".encode()
         png = png_bytes(side, side, painter(key, side))
         data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": prompt})
-    ex.prompt_tokens = len(prompt)
     return json_response({"created": int(time.time()), "data": data})
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/images/generations", inference(generations, errors=openai_error))
-    app.router.add_get("/v1/models", openai_models)
-    app.router.add_get("/health", health_status)
+    add_facade_routes(app, "/v1/images/generations", generations)

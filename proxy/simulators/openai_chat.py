@@ -16,19 +16,10 @@ from typing import Any, NamedTuple
 import orjson
 from aiohttp import web
 
-from proxy.simulators.runtime import (
-    ENGINE_DEAD,
-    ENGINE_DEAD_TYPE,
-    BadRequest,
-    ErrorEvents,
-    EventWriter,
-    Exchange,
-    Handler,
-    HttpError,
-    json_object,
-    json_response,
-    opt,
-)
+from proxy.simulators.bodies import json_object, json_response, opt
+from proxy.simulators.errors import ENGINE_DEAD, ENGINE_DEAD_TYPE, BadRequest, HttpError
+from proxy.simulators.exchange import ErrorEvents, EventWriter, Exchange
+from proxy.simulators.runtime import Handler
 from proxy.simulators.textgen import (
     STOP_SEQUENCE,
     Generation,

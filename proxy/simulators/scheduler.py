@@ -17,12 +17,9 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from proxy.simulators.config import SimConfig
 from proxy.simulators.kvcache import BlockPool, block_hashes, hittable_blocks
-
-if TYPE_CHECKING:
-    from proxy.simulators.runtime import SimConfig
 
 
 @dataclass(eq=False, slots=True)

@@ -215,6 +215,14 @@ def pseudo_transcript(audio: bytes, seconds: float) -> str:
     return " ".join(sentences)
 
 
+def transcript(audio: bytes, heard: Heard) -> tuple[str, float]:
+    """What a server hears in `audio`: its watermarked text, or else a pseudo-transcript; and
+    the duration it reports (to the millisecond)."""
+    duration = round(heard.duration_s, 3)
+    text = heard.marked_text
+    return (pseudo_transcript(audio, duration) if text is None else text), duration
+
+
 @dataclass(frozen=True, slots=True)
 class Word:
     text: str  # as written, punctuation included

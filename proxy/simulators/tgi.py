@@ -19,19 +19,13 @@ from typing import Any, NamedTuple
 import orjson
 from aiohttp import web
 
+from proxy.simulators.bodies import json_object, json_response, opt
+from proxy.simulators.errors import BadRequest, HttpError
+from proxy.simulators.exchange import EventWriter, Exchange
 from proxy.simulators.faults import error_response
 from proxy.simulators.openai_chat import Dialect, chat_handler, error_payloads, no_usage_extra
-from proxy.simulators.runtime import (
-    STATE,
-    BadRequest,
-    EventWriter,
-    Exchange,
-    HttpError,
-    inference,
-    json_object,
-    json_response,
-    opt,
-)
+from proxy.simulators.runtime import inference
+from proxy.simulators.state import STATE
 from proxy.simulators.textgen import (
     EOS,
     LENGTH,

@@ -11,8 +11,8 @@ as a watermark the whisper simulator transcribes back (`speech`).
 Extension, as community CSM servers offer voice cloning: `voice_sample: {"audio": <base64
 WAV>, "context_text": str}` picks the speaker from the clip instead of from `voice`.
 
-The OpenAI-style validators here (`string`, `number`, `integer`, `choice`, `known_model`)
-also serve the image and video facades, so all three word their 400s alike.
+Validators, envelope and the routes around `/v1/audio/speech` are `openai_facade`'s, shared
+with the image and video facades, so all three word their 400s alike.
 
 Decisions where OpenAI's docs are silent:
 - `response_format` defaults to `mp3` as OpenAI's does, and the compressed formats (mp3, opus,
@@ -34,15 +34,18 @@ from typing import Any
 from aiohttp import web
 
 from proxy.media.wav import BadAudio, read_wav, wav_bytes
-from proxy.simulators.faults import StreamEnded, before_event, pause
-from proxy.simulators.runtime import (
-    Exchange,
-    HttpError,
-    health_status,
-    inference,
-    json_object,
-    openai_error,
-    openai_models,
+from proxy.simulators.bodies import json_object
+from proxy.simulators.exchange import Exchange
+from proxy.simulators.faults import StreamEnded, before_event
+from proxy.simulators.openai_facade import (
+    add_facade_routes,
+    check_length,
+    choice,
+    invalid,
+    known_model,
+    number,
+    string,
+    wrong_type,
 )
 from proxy.simulators.speech import (
     DEFAULT_VOICES,
@@ -57,80 +60,6 @@ RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 SUPPORTED_FORMATS = ("wav", "pcm")
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 CHUNKS = 4  # the body goes out in this many chunked-encoding chunks
-
-_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-               list: "an array", dict: "an object"}
-
-
-def invalid(message: str, param: str | None, code: str | None = "invalid_value") -> HttpError:
-    return HttpError(400, message, param=param, code=code)
-
-
-def missing(param: str) -> HttpError:
-    return invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-
-
-def wrong_type(param: str, expected: str, value: object) -> HttpError:
-    got = _KIND_NAMES.get(type(value), "null")
-    return invalid(f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
-                   param, "invalid_type")
-
-
-def string(body: dict[str, Any], key: str, *, required: bool = False) -> str | None:
-    """`body[key]` as OpenAI validates a string field (null counts as absent)."""
-    value = body.get(key)
-    if value is None:
-        if required:
-            raise missing(key)
-        return None
-    if not isinstance(value, str):
-        raise wrong_type(key, "a string", value)
-    return value
-
-
-def number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise wrong_type(key, "a decimal", value)
-    if value < low:
-        raise invalid(f"Invalid '{key}': decimal below minimum value. Expected a value >= "
-                      f"{low:g}, but got {value:g} instead.", key, "decimal_below_min_value")
-    if value > high:
-        raise invalid(f"Invalid '{key}': decimal above maximum value. Expected a value <= "
-                      f"{high:g}, but got {value:g} instead.", key, "decimal_above_max_value")
-    return float(value)
-
-
-def integer(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise wrong_type(key, "an integer", value)
-    if value < low:
-        raise invalid(f"Invalid '{key}': integer below minimum value. Expected a value >= "
-                      f"{low}, but got {value} instead.", key, "integer_below_min_value")
-    if value > high:
-        raise invalid(f"Invalid '{key}': integer above maximum value. Expected a value <= "
-                      f"{high}, but got {value} instead.", key, "integer_above_max_value")
-    return value
-
-
-def known_model(ex: Exchange, model: str) -> None:
-    if model not in ex.config.models:
-        raise HttpError(404, f"The model `{model}` does not exist or you do not have access to "
-                        "it.", "invalid_request_error", code="model_not_found")
-
-
-def choice(body: dict[str, Any], key: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = string(body, key) or default
-    if value not in allowed:
-        names = ", ".join(f"'{a}'" for a in allowed[:-1]) + f", and '{allowed[-1]}'"
-        raise invalid(f"Invalid value: '{value}'. Supported values are: {names}.", key)
-    return value
-
 
 def _cloned(body: dict[str, Any]) -> Speaker | None:
     sample = body.get("voice_sample")
@@ -162,13 +91,7 @@ async def speech(ex: Exchange) -> web.StreamResponse:
     assert model is not None and text is not None and voice is not None
     known_model(ex, model)
     ex.model = model
-    if not text:
-        raise invalid("Invalid 'input': empty string. Expected a string with minimum length 1, "
-                      "but got an empty string instead.", "input", "empty_string")
-    if len(text) > MAX_INPUT:
-        raise invalid(f"Invalid 'input': string too long. Expected a string with maximum "
-                      f"length {MAX_INPUT}, but got a string with length {len(text)} instead.",
-                      "input", "string_above_max_length")
+    check_length("input", text, MAX_INPUT)
     voices = ex.config.voices or DEFAULT_VOICES
     if voice not in voices:
         raise invalid(f"Invalid value for 'voice': '{voice}'. Supported voices are: "
@@ -199,8 +122,7 @@ async def speech(ex: Exchange) -> web.StreamResponse:
 async def send_chunked(ex: Exchange, payload: bytes, content_type: str) -> web.StreamResponse:
     """Write `payload` in CHUNKS chunks (after `--ttft-ms`), honouring the stream faults."""
     request = ex.request
-    if ex.config.ttft_s > 0:
-        await pause(request, ex.config.ttft_s)
+    await ex.processing()
     response = web.StreamResponse(headers={"Content-Type": content_type})
     response.enable_chunked_encoding()
     ex.stream = response
@@ -219,6 +141,4 @@ async def send_chunked(ex: Exchange, payload: bytes, content_type: str) -> web.S
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/audio/speech", inference(speech, errors=openai_error))
-    app.router.add_get("/v1/models", openai_models)
-    app.router.add_get("/health", health_status)
+    add_facade_routes(app, "/v1/audio/speech", speech)

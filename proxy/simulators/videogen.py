@@ -21,16 +21,15 @@ import numpy as np
 from aiohttp import web
 
 from proxy.media.visual import avi_bytes
-from proxy.simulators.faults import pause
-from proxy.simulators.runtime import (
-    Exchange,
-    health_status,
-    inference,
-    json_object,
-    openai_error,
-    openai_models,
+from proxy.simulators.exchange import Exchange
+from proxy.simulators.openai_facade import (
+    add_facade_routes,
+    integer,
+    invalid,
+    number,
+    prompted,
+    string,
 )
-from proxy.simulators.tts import integer, invalid, known_model, number, string
 
 MAX_SIDE = 256
 MIN_SECONDS, MAX_SECONDS = 1.0, 20.0
@@ -57,14 +56,7 @@ def render(prompt: str, count: int, width: int, height: int, fps: int) -> bytes:
 
 
 async def generations(ex: Exchange) -> web.StreamResponse:
-    body = json_object(ex.record.body)
-    ex.model = string(body, "model") or ex.config.models[0]
-    known_model(ex, ex.model)
-    prompt = string(body, "prompt", required=True)
-    assert prompt is not None
-    if not prompt:
-        raise invalid("Invalid 'prompt': empty string. Expected a string with minimum length 1, "
-                      "but got an empty string instead.", "prompt", "empty_string")
+    body, prompt = prompted(ex)
     seconds = number(body, "seconds", 2.0, MIN_SECONDS, MAX_SECONDS)
     fps = integer(body, "fps", 8, 1, MAX_FPS)
     size = string(body, "size") or "64x64"
@@ -73,19 +65,15 @@ async def generations(ex: Exchange) -> web.StreamResponse:
         raise invalid(f"Invalid 'size': '{size}'. Expected 'WIDTHxHEIGHT', each side 1 to "
                       f"{MAX_SIDE} pixels.", "size")
     width, height = int(match[1]), int(match[2])
-    if ex.config.ttft_s > 0:
-        await pause(ex.request, ex.config.ttft_s)
+    await ex.processing()
     count = max(1, round(seconds * fps))
     # The largest video (600 frames of 256x256) takes seconds to build: in a thread, so the
     # server keeps answering meanwhile.
     video = await asyncio.get_running_loop().run_in_executor(
         None, render, prompt, count, width, height, fps)
-    ex.prompt_tokens = len(prompt)
     return web.Response(body=video, headers={"Content-Type": "video/x-msvideo",
                                              "X-Video-Duration": f"{count / fps:g}"})
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/videos/generations", inference(generations, errors=openai_error))
-    app.router.add_get("/v1/models", openai_models)
-    app.router.add_get("/health", health_status)
+    add_facade_routes(app, "/v1/videos/generations", generations)

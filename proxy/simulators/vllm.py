@@ -50,6 +50,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from proxy.simulators.bodies import json_response
 from proxy.simulators.engine import (
     CONTENT_TYPE,
     FINISH_REASONS,
@@ -57,6 +58,8 @@ from proxy.simulators.engine import (
     Exposition,
     by,
 )
+from proxy.simulators.errors import ENGINE_DEAD, ENGINE_DEAD_TYPE, BadRequest, HttpError
+from proxy.simulators.exchange import Exchange
 from proxy.simulators.openai_chat import (
     ChatRequest,
     Dialect,
@@ -65,16 +68,8 @@ from proxy.simulators.openai_chat import (
     chat_handler,
     error_payloads,
 )
-from proxy.simulators.runtime import (
-    ENGINE_DEAD,
-    ENGINE_DEAD_TYPE,
-    STATE,
-    BadRequest,
-    Exchange,
-    HttpError,
-    inference,
-    json_response,
-)
+from proxy.simulators.runtime import inference
+from proxy.simulators.state import STATE
 from proxy.simulators.textgen import EOS, LENGTH, STOP_SEQUENCE, TOOL_CALLS
 
 VERSION = "0.32.0"

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.media.audio import NotAudio, probe, sniff
+from proxy.media.audio import NotAudio, decoded_length, probe, sniff
 from proxy.media.visual import NotMedia, avi_bytes, png_bytes, probe_image, probe_video
 from proxy.media.wav import BadAudio, is_speech_wav, read_wav, to_speech_wav, wav_bytes
 from tests.media import builders as b
+from tests.media.encoded import audio_clip
 
 VALID = [
     wav_bytes(bytes(400), 16000, channels=2), b.flac(), b.flac(id3=True), b.ogg_opus(),
@@ -22,6 +23,8 @@ VALID = [
     b.m4a(moov_last=True), b.webm(), b.webm(None, unknown_sizes=True),
     png_bytes(3, 2, lambda x, y: (x, y, 0)), avi_bytes([bytes(12)] * 2, 2, 2, 6), b.gif(),
     b.jpeg(5, 7), b.webp_lossy(), b.webp_lossless(), b.webp_extended(),
+    # Real encoder output: sample tables, edit lists, Opus packets and blocks to corrupt.
+    audio_clip("m4a").data, audio_clip("ogg").data, audio_clip("webm").data,
 ]
 HOSTILE = settings(max_examples=400, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
@@ -32,8 +35,8 @@ def check(data: bytes) -> None:
     sniff(data)
     is_speech_wav(data)
     calls: list[tuple[Callable[[bytes], object], type[Exception]]] = [
-        (probe, NotAudio), (read_wav, BadAudio), (to_speech_wav, BadAudio),
-        (probe_image, NotMedia), (probe_video, NotMedia),
+        (probe, NotAudio), (decoded_length, NotAudio), (read_wav, BadAudio),
+        (to_speech_wav, BadAudio), (probe_image, NotMedia), (probe_video, NotMedia),
     ]
     for call, allowed in calls:
         with contextlib.suppress(allowed):

@@ -33,7 +33,7 @@ from proxy.credits.pricing import (
     chat_cost,
     chat_hold,
     format_credits,
-    prompt_estimate,
+    prompt_upper_bound,
     units_cost,
     usage_from,
 )
@@ -231,6 +231,10 @@ class Meter:
         reported = usage_from(tally.usage)
         if reported is not None:
             return reported
-        if tally.chunks:  # cut before the usage chunk: charge what reached the client
-            return ChatUsage(prompt_estimate(self.chat_body or {}), tally.chunks, estimated=True)
+        if tally.chunks:
+            # Cut before the usage chunk: the prompt reached the engine whole, so it is charged
+            # at its upper bound (never a guess below the engine's own count), and a token for
+            # each content chunk that reached the client.
+            return ChatUsage(prompt_upper_bound(self.chat_body or {}), tally.chunks,
+                             estimated=True)
         return None

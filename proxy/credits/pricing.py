@@ -8,8 +8,9 @@ with their own price (`cached_prompt_per_1k_tokens`, by default the prompt price
 
 The hold is the worst case: an upper bound on the prompt (its UTF-8 byte count: no tokenizer
 makes more tokens than bytes) plus the completion cap for each of the `n` choices.
-When a stream is cut before the upstream reports usage, the charge is an estimate: the prompt at
-4 characters a token, and one completion token per content chunk delivered.
+When a stream is cut before the upstream reports usage, the charge is an estimate that is never
+below the truth for the prompt: its upper bound (the engine got all of it), and one completion
+token per content chunk delivered.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from proxy.config import Rates
 
 MICRO = 1_000_000
 PER_MESSAGE_OVERHEAD = 8  # role and separators around each message
-CHARS_PER_TOKEN_ESTIMATE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +62,6 @@ def prompt_upper_bound(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     count = len(messages) if isinstance(messages, list) else 0
     return sum(len(text.encode()) for text in _texts(body)) + PER_MESSAGE_OVERHEAD * count
-
-
-def prompt_estimate(body: dict[str, Any]) -> int:
-    messages = body.get("messages")
-    count = len(messages) if isinstance(messages, list) else 0
-    chars = sum(len(text) for text in _texts(body))
-    return -(-chars // CHARS_PER_TOKEN_ESTIMATE) + 4 * count
 
 
 def usage_from(reported: object) -> ChatUsage | None:

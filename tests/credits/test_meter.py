@@ -144,8 +144,9 @@ async def test_a_cut_stream_pays_what_reached_the_client(books: Books) -> None:
     await meter.admit(TIER)
     cut = Result(status=Outcome.CUT, tally=Tally(usage=None, chunks=3))
     cost, units = meter.settle(cut) or (None, None)
-    # The prompt estimated (92 characters / 4 + 4 per message), a token per chunk delivered.
-    assert units == {"prompt_tokens": 27, "completion_tokens": 3} and cost == 27 + 6
+    # The prompt at its upper bound (92 bytes + 8 per message): it reached the engine whole;
+    # a token for each content chunk delivered.
+    assert units == {"prompt_tokens": 100, "completion_tokens": 3} and cost == 100 + 6
     await books.flushed()
     [entry] = await charges(books)
     assert entry["status"] == "cut" and entry["estimated"] is True

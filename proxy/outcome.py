@@ -12,4 +12,6 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"  # the upstream reported an error, or the request failed before it ran
     CLIENT_GONE = "client_gone"  # the client closed its connection
     UPSTREAM_ERROR = "upstream_error"  # the upstream failed, or its answer was unusable
+    CLIENT_ERROR = "client_error"  # refused once running: the client's own fault (a 4xx: a URL
+    # that cannot be fetched, audio too long, a request the engine refused)
     REPLAYED = "replayed"  # an idempotent retry: the stored result again, nothing ran

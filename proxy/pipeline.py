@@ -153,6 +153,9 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
             if call.stream:
                 request[TRACE].outcome = result.status
         return response
+    except GatewayError as exc:
+        result.failed(exc)
+        raise
     except asyncio.CancelledError:
         result.status = Outcome.CLIENT_GONE
         raise
@@ -218,6 +221,9 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
             return await send_whole(request, web.Response(body=answer.body, headers={
                 **headers, **answer.headers, "Content-Type": answer.content_type}), result)
         return await family.run(request, ctx, job, pool, result, headers)
+    except GatewayError as exc:
+        result.failed(exc)
+        raise
     except asyncio.CancelledError:
         result.status = Outcome.CLIENT_GONE
         raise

@@ -80,6 +80,12 @@ class Result:
     def delivered(self) -> None:
         self.status = Outcome.COMPLETED
 
+    def failed(self, error: GatewayError) -> None:
+        """The request failed once running: the client's own fault (a 4xx) is not put down
+        to the upstream."""
+        if self.status is Outcome.UPSTREAM_ERROR and 400 <= error.status < 500:
+            self.status = Outcome.CLIENT_ERROR
+
 
 class Stage(enum.Enum):
     """How far admission got: whether a hold may exist that the settlement must end."""

@@ -49,7 +49,9 @@ async def run_task(ctx: Ctx, store: TaskStore, metering: Metering, spec: TaskSpe
         meter.settle(result)
         await store.finish(spec.account, spec.id, result=kept, ttl_s=ttl)
     except GatewayError as exc:
-        meter.settle(Result(status=Outcome.UPSTREAM_ERROR))
+        failed = Result(status=Outcome.UPSTREAM_ERROR)  # nothing is charged for a failure
+        failed.failed(exc)
+        meter.settle(failed)
         await store.finish(spec.account, spec.id, ttl_s=ttl, error={
             "type": exc.kind.type, "message": exc.message, "status": exc.status,
             **({"detail": exc.detail} if exc.detail is not None else {})})

@@ -247,9 +247,13 @@ async def test_audio_longer_than_the_policy_is_refused(media: MediaFactory) -> N
     assert status == 422 and orjson.loads(raw)["detail"][0]["type"] == "audio_too_long"
     status, _, raw = await m.post(ASR, {"audio_url": m.serve("/ok.wav", tone(2.0))}, headers)
     assert status == 200
+    status, _, raw = await m.post(ASR, {"audio_url": m.url("/missing.wav")}, headers)
+    assert status == 422
     charges = await m.charges("acct-l")
-    assert [c["cost"] for c in charges] == [0, 2 * PER_AUDIO_S]
+    assert [c["cost"] for c in charges] == [0, 2 * PER_AUDIO_S, 0]
     assert charges[0]["held"] == 2 * PER_AUDIO_S  # the hold: the policy's longest audio
+    # The client's own fault, not the upstream's (which was never asked).
+    assert [c["status"] for c in charges] == ["client_error", "completed", "client_error"]
 
 
 async def test_short_balance_is_402_before_any_fetch(media: MediaFactory) -> None:

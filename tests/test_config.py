@@ -236,3 +236,11 @@ def test_routing_section(tmp_path: Path) -> None:
                              'models = { "acme/nope" = "engine" }\n'))
     assert "backends.toml: routing.models: 'acme/nope' is not a chat model of any backend" \
         in text
+
+
+def test_the_shipped_config_forwards_no_client_header() -> None:
+    """The file an operator copies passes nothing a client sends upstream; the simulators' fault
+    headers are forwarded only by the example made for trying failures."""
+    assert [b.forward_headers for b in load_config(ROOT).backends if b.forward_headers] == []
+    faults = load_config(ROOT / "deploy" / "sim-faults")
+    assert [b.forward_headers for b in faults.backends] == [["x-sim-*"]]

@@ -20,7 +20,7 @@ PROXY = ROOT / "proxy"
 PURE = [
     "proxy.styles.base", "proxy.styles.openai", "proxy.styles.served", "proxy.styles.anthropic",
     "proxy.styles.ollama", "proxy.policy.tiers", "proxy.credits.pricing", "proxy.headers",
-    "proxy.http.sse", "proxy.errors", "proxy.validate", "proxy.styles.wire", "proxy.outcome",
+    "proxy.http.sse", "proxy.http.ranges", "proxy.errors", "proxy.validate", "proxy.styles.wire", "proxy.outcome",
     "proxy.ids", "proxy.families.tts", "proxy.families.asr", "proxy.families.generation",
     "proxy.families.languages", "proxy.media.audio", "proxy.media.wav", "proxy.media.containers",
     "proxy.media.visual", "proxy.upstream.quorum",

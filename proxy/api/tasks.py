@@ -10,17 +10,14 @@ their own (by client address). Not counted against the rate limit: polling is ex
 
 from __future__ import annotations
 
-import re
-
 import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy.appkeys import LIVE, TASKS
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
+from proxy.http.ranges import byte_range
 from proxy.tasks.spec import poll_answer
-
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
 async def _owner(request: web.Request) -> str:
@@ -54,22 +51,10 @@ async def media(request: web.Request) -> web.Response:
     wanted = request.headers.get("Range")
     if wanted is None:
         return web.Response(body=data, headers=headers)
-    span = _span(wanted, len(data))
+    span = byte_range(wanted, len(data))
     if span is None:
         return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}"})
     start, end = span
     return web.Response(status=206, body=data[start:end + 1], headers={
         **headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"})
 
-
-def _span(header: str, size: int) -> tuple[int, int] | None:
-    """One `bytes=a-b`, `bytes=a-` or `bytes=-n` range within `size` bytes; None if unsatisfiable
-    (several ranges are answered with the first)."""
-    match = _RANGE.fullmatch(header.split(",")[0].strip())
-    if match is None or (not match[1] and not match[2]) or size == 0:
-        return None
-    if not match[1]:  # the last n bytes
-        return max(0, size - int(match[2])), size - 1
-    start = int(match[1])
-    end = min(int(match[2]), size - 1) if match[2] else size - 1
-    return (start, end) if start <= end else None

@@ -19,12 +19,12 @@ PROXY = ROOT / "proxy"
 # through another module (checked in a fresh interpreter, so every transitive import counts).
 PURE = [
     "proxy.styles.base", "proxy.styles.openai", "proxy.styles.served", "proxy.styles.anthropic",
-    "proxy.styles.ollama", "proxy.policy.tiers", "proxy.credits.pricing", "proxy.headers",
-    "proxy.http.sse", "proxy.http.ranges", "proxy.errors", "proxy.validate", "proxy.styles.wire", "proxy.outcome",
-    "proxy.ids", "proxy.families.tts", "proxy.families.asr", "proxy.families.generation",
-    "proxy.families.languages", "proxy.media.audio", "proxy.media.wav", "proxy.media.containers",
-    "proxy.media.visual", "proxy.upstream.quorum",
-    "proxy.upstream.routing",
+    "proxy.styles.ollama", "proxy.styles.wire", "proxy.policy.tiers", "proxy.credits.pricing",
+    "proxy.headers", "proxy.http.sse", "proxy.http.ranges", "proxy.errors", "proxy.validate",
+    "proxy.outcome", "proxy.ids", "proxy.families.tts", "proxy.families.asr",
+    "proxy.families.generation", "proxy.families.languages", "proxy.media.audio",
+    "proxy.media.wav", "proxy.media.containers", "proxy.media.matroska", "proxy.media.visual",
+    "proxy.upstream.quorum", "proxy.upstream.routing",
 ]
 IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")
 # The top level holds the entry points, the wiring and the vocabulary every package shares.

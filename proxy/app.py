@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -248,6 +249,8 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[COUNTERS] = connect_redis(counters_url, timeout_s=1.0) \
             if counters_url != redis_url else app[REDIS]
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
+        with contextlib.suppress(RedisError):  # else read at the first sealed key's lookup
+            await app[KEYSTORE].read_seal()
         app[TASKS] = TaskStore(app[REDIS])
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
         acks = config.gateway.ledger_ack_replicas

@@ -6,9 +6,12 @@
 - No credential at all: a guest, keyed by client address (IPv6 by its /64, configurable);
   `X-Forwarded-For` is believed only from trusted proxies. A credential that is present but
   invalid or empty is 401, never a silent guest.
-- A key the worker has not cached costs a Redis read; each client address gets a budget of
-  unknown keys per minute (`key_lookups_per_minute`), past which it gets 429 without a read, so
-  minted well-formed keys cannot flood Redis. Unknown keys are cached like known ones.
+- A key the worker has not cached costs a Redis read. A key this gateway made carries a seal
+  (proxy.identity.apikeys) and is always looked up: a key that exists is served whatever else
+  its address sent. Any other key (a stranger's guess, or a key made before seals) spends its
+  client address's budget of unknown keys per minute (`key_lookups_per_minute`), past which it
+  gets 429 without a read, so minted keys cannot flood Redis. Unknown keys are cached like
+  known ones.
 """
 
 from __future__ import annotations
@@ -88,8 +91,11 @@ class Authenticator:
 
     async def _read_key(self, key: str, headers: Mapping[str, str], peer: str | None
                         ) -> KeyRecord | None:
-        """Ask the store, within the address's budget of unknown keys: past it, no more reads
-        (429) until the window frees up. Known keys never spend the budget."""
+        """Ask the store: at once for a sealed key; else within the address's budget of unknown
+        keys, past which there are no more reads (429) until the window frees up. Known keys
+        never spend the budget."""
+        if await self._keystore.vouches_for(key):
+            return await self._keystore.lookup(key)
         bucket = self._guest_bucket(headers, peer)
         if not await self._lookups.test(self._lookup_rate, "unknown-keys", bucket):
             raise GatewayError(ErrorKind.RATE_LIMITED, "too many unknown API keys from this "

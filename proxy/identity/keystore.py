@@ -7,6 +7,8 @@ Redis layout (the raw key is never stored, only its SHA-256 digest):
     igw:account:{account}:keys  set  ids of the account's keys (revoked ones included)
     igw:accounts              set    every account that has ever had a key
     igw:revocations           pub/sub channel: the digest of each revoked key
+    igw:keys:seal             string the secret new keys are sealed with (hex), made once by
+                                     the first store that needs it (proxy.identity.apikeys)
 
 Each worker caches records by digest for `KeysPolicy.cache_ttl_s` (bounded, least recently used
 dropped first), unknown digests included (a key is random: none is created after being
@@ -25,6 +27,7 @@ import builtins
 import contextlib
 import logging
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -33,6 +36,7 @@ from typing import Any, Final, Literal
 import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from proxy.config import KeysPolicy
 from proxy.identity import apikeys
@@ -44,6 +48,8 @@ log = logging.getLogger("proxy.identity.keystore")
 
 REVOCATIONS: Final = "igw:revocations"
 ACCOUNTS: Final = "igw:accounts"
+SEAL_SECRET: Final = "igw:keys:seal"
+SEAL_RETRY_S: Final = 10.0  # a store that could not read the secret tries again this often
 # No ':' so an account can never be mistaken for a guest ("guest:<address>") or split a key name.
 ACCOUNT_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
 LABEL_MAX: Final = 200
@@ -112,6 +118,8 @@ class KeyStore:
         self._generation = 0
         self._listening = False
         self.listener_connects = 0  # how often the listener has (re)subscribed
+        self._seal: bytes | None = None
+        self._seal_retry = 0.0
 
     @property
     def redis(self) -> Store:
@@ -135,8 +143,9 @@ class KeyStore:
             raise ValueError("account must match " + ACCOUNT_PATTERN)
         if len(label) > LABEL_MAX or _CONTROL_RE.search(label):
             raise ValueError(f"label must be at most {LABEL_MAX} printable characters")
+        secret = await self.seal_secret()
         for _ in range(8):
-            raw = apikeys.generate(self._policy.prefix)
+            raw = apikeys.generate(self._policy.prefix, secret)
             digest = apikeys.digest(raw)
             kid = apikeys.key_id(digest)
             # Ids are 48 bits: claim one atomically so two keys never share it.
@@ -157,6 +166,36 @@ class KeyStore:
             pipe.sadd(ACCOUNTS, account)
             await pipe.execute()
         return raw, record
+
+    async def seal_secret(self) -> bytes:
+        """The secret new keys are sealed with: made by the first store that creates a key."""
+        if self._seal is None:
+            await self._redis.set(SEAL_SECRET, secrets.token_hex(32), nx=True)
+            if await self.read_seal() is None:  # gone between the two calls (a flushed store)
+                raise RedisError("the key seal's secret vanished")
+        assert self._seal is not None
+        return self._seal
+
+    async def read_seal(self) -> bytes | None:
+        """The seal's secret if a key was ever sealed here (read once; nothing is written)."""
+        if self._seal is None:
+            value = await self._redis.get(SEAL_SECRET)
+            self._seal = bytes.fromhex(_text(value)) if value is not None else None
+        return self._seal
+
+    async def vouches_for(self, raw_key: str) -> bool:
+        """A well-formed key sealed by a store of this Redis: one this gateway made, so looking
+        it up is never a stranger's guess. False while the secret cannot be read (the key is
+        then looked up as any other)."""
+        if self._seal is None:
+            if time.monotonic() < self._seal_retry:
+                return False
+            self._seal_retry = time.monotonic() + SEAL_RETRY_S
+            try:
+                await self.read_seal()
+            except RedisError:
+                return False
+        return self._seal is not None and apikeys.sealed(raw_key, self._seal)
 
     def cached(self, raw_key: str) -> tuple[bool, KeyRecord | None]:
         """(found, record) from this worker's cache alone; no I/O."""

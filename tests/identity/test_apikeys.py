@@ -27,9 +27,12 @@ def base62(value: int, width: int) -> str:
     return out.rjust(width, "0")
 
 
+SECRET = b"the store's seal secret, 32 bytes"
+
+
 @pytest.fixture(scope="module")
 def sample() -> list[str]:
-    return [apikeys.generate(PREFIX) for _ in range(25)]
+    return [apikeys.generate(PREFIX, SECRET) for _ in range(25)]
 
 
 def test_format_and_length(sample: list[str]) -> None:
@@ -40,7 +43,7 @@ def test_format_and_length(sample: list[str]) -> None:
 
 
 def test_other_prefix() -> None:
-    key = apikeys.generate("acme2")
+    key = apikeys.generate("acme2", SECRET)
     assert key.startswith("acme2_sk_")
     assert apikeys.well_formed(key, "acme2")
     assert not apikeys.well_formed(key, PREFIX)
@@ -48,13 +51,27 @@ def test_other_prefix() -> None:
 
 def test_random_part_has_at_least_128_bits() -> None:
     assert apikeys.ALPHABET == BASE62
-    assert apikeys.RANDOM_CHARS == 32
-    assert pytest.approx(32 * math.log2(62)) == apikeys.RANDOM_BITS
-    assert apikeys.RANDOM_BITS >= 190
+    assert apikeys.RANDOM_CHARS == 32 and apikeys.SEAL_CHARS == 8
+    assert pytest.approx(24 * math.log2(62)) == apikeys.RANDOM_BITS
+    assert apikeys.RANDOM_BITS >= 128  # reliability K1
+
+
+def test_a_key_is_sealed_by_the_secret_that_made_it(sample: list[str]) -> None:
+    for key in sample:
+        assert apikeys.sealed(key, SECRET)
+        assert not apikeys.sealed(key, b"another store's secret")
+    # A key made before seals: 32 random characters and a checksum, still well formed.
+    head = "igw_sk_" + "".join(BASE62[i % 62] for i in range(7, 39))
+    legacy = head + apikeys.checksum(head)
+    assert apikeys.well_formed(legacy, PREFIX) and not apikeys.sealed(legacy, SECRET)
+    # The seal covers the random part: change one character and it no longer fits.
+    key = sample[0]
+    twin = key[:10] + ("A" if key[10] != "A" else "B") + key[11:-6]
+    assert not apikeys.sealed(twin + apikeys.checksum(twin), SECRET)
 
 
 def test_keys_are_unique_and_use_the_whole_alphabet() -> None:
-    keys = [apikeys.generate(PREFIX) for _ in range(2000)]
+    keys = [apikeys.generate(PREFIX, SECRET) for _ in range(2000)]
     assert len(set(keys)) == len(keys)
     randoms = "".join(k[len("igw_sk_"):-6] for k in keys)
     assert set(randoms) == set(BASE62)

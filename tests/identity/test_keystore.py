@@ -79,7 +79,8 @@ async def test_create_and_lookup(store: KeyStore) -> None:
         "acme", "pro", "active", "ci runner")
     assert abs(record.created - time.time()) < 5
     assert await store.lookup(raw) == record
-    assert await store.lookup(apikeys.generate("igw")) is None  # well formed, unknown
+    minted = apikeys.generate("igw", os.urandom(32))  # well formed, unknown
+    assert await store.lookup(minted) is None
     assert await store.lookup("") is None
 
 
@@ -115,7 +116,7 @@ async def test_revoke_by_id_and_by_key(store: KeyStore) -> None:
     assert (await store.revoke(raw2)).status == "revoked"  # type: ignore[union-attr]
     assert (await store.revoke(rec1.id)).status == "revoked"  # type: ignore[union-attr]
     assert await store.revoke("key_000000000000") is None
-    assert await store.revoke(apikeys.generate("igw")) is None
+    assert await store.revoke(apikeys.generate("igw", os.urandom(32))) is None
     assert await store.revoke(typo(raw1)) is None
     assert len(await store.list("acme")) == 2
 

@@ -6,6 +6,7 @@ JSON and empty credentials get clear 4xx answers."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -97,15 +98,30 @@ async def test_unknown_keys_are_cached_and_budgeted_per_address(
 ) -> None:
     auth = "[clients]\nkey_lookups_per_minute = 5\n"
     gw = await gateway(await simulator(), policies={"auth.toml": auth})
-    minted = apikeys.generate("igw")  # well formed, checksum right, in no store
+    minted = apikeys.generate("igw", os.urandom(32))  # well formed, checksum right, in no store
     before = await commands(clean_redis.url, "hgetall")
     for _ in range(20):
         assert (await post(gw, BODY, headers={"X-API-Key": minted}))[0] == 401
     assert await commands(clean_redis.url, "hgetall") - before == 1  # then cached as unknown
-    statuses = [(await post(gw, BODY, headers={"X-API-Key": apikeys.generate("igw")}))[0]
-                for _ in range(8)]
+    statuses = [(await post(gw, BODY, headers={
+        "X-API-Key": apikeys.generate("igw", os.urandom(32))}))[0] for _ in range(8)]
     assert statuses == [401] * 4 + [429] * 4  # 5 reads per minute from this address
     assert await commands(clean_redis.url, "hgetall") - before == 5
+
+
+async def test_a_key_that_exists_is_served_whatever_its_address_sent(
+    simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
+) -> None:
+    """A scanner behind a shared address (a NAT, a corporate proxy) spends the address's
+    budget of unknown keys; a real key from the same address, never seen by this gateway,
+    is still looked up and served (it carries the store's seal)."""
+    auth = "[clients]\nkey_lookups_per_minute = 5\n"
+    gw = await gateway(await simulator(), policies={"auth.toml": auth})
+    statuses = [(await post(gw, BODY, headers={"X-API-Key": apikeys.generate(
+        "igw", os.urandom(32))}))[0] for _ in range(10)]
+    assert statuses == [401] * 5 + [429] * 5  # the scanner: locked out
+    key = await new_key(clean_redis.url, "max", account="behind-the-nat")
+    assert (await post(gw, BODY, headers={"X-API-Key": key}))[0] == 200
 
 
 async def test_ipv6_guests_share_their_64(

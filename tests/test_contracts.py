@@ -263,8 +263,7 @@ def _private(name: str) -> bool:
 
 def _third_party(module: str) -> bool:
     top = module.split(".")[0]
-    return bool(top) and top not in sys.stdlib_module_names and top not in ("proxy",
-                                                                            "__future__")
+    return bool(top) and top not in sys.stdlib_module_names and top not in ("proxy", "__future__")
 
 
 def defined_names(trees: Iterable[ast.Module]) -> set[str]:

@@ -6,9 +6,9 @@ types cannot carry, are stated next to the Python rules as each Struct's `json_s
 merged into its component here. Every route in the app's route table carries a `Doc`, and the
 document is rendered from that table (`proxy.app.ROUTES`), so a route cannot exist undescribed.
 
-Errors are described per family of routes, as each style renders them (`error_body` in
-proxy/styles/): the gateway's `{detail, error}` shape, Anthropic's `{type: "error", error}` on
-the Messages route and Ollama's `{error}` on the native routes.
+What a route's doc is made of is in doc_types.py, the error answers per family of routes in
+error_docs.py, each route's doc in route_docs.py; this module renders them (`build_openapi`) and
+serves the result (`document`).
 
 What depends on the running deployment (the tiers a key may be issued for, the models served) is
 filled in when the document is served (`document`), so it is true after a policy reload too.
@@ -18,87 +18,39 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import lru_cache
-from typing import Annotated, Any, Final, Literal, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import msgspec
 import orjson
 from aiohttp import web
-from msgspec import Meta
 from msgspec import inspect as mi
 
 from proxy import appkeys
+from proxy.api.doc_types import (
+    ADMIN,
+    API_KEY,
+    BEARER,
+    EXAMPLE_MODEL,
+    JSON,
+    REQUEST_ID,
+    SSE,
+    Doc,
+    Family,
+    Header,
+    Param,
+    Response,
+)
+from proxy.api.error_docs import error, for_family
 from proxy.identity.auth import GUEST_TIER
-from proxy.styles.base import ErrorFamily
 
-__all__ = ["ADMIN", "API_KEY", "BEARER", "Doc", "Param", "Response", "build_openapi", "document"]
+# Doc, Header, Param and Response are the route table's (proxy.app) and the dashboard's.
+__all__ = ["ADMIN", "API_KEY", "BEARER", "Doc", "Header", "Param", "Response", "build_openapi",
+           "document"]
 
-JSON: Final = "application/json"
-SSE: Final = "text/event-stream"
-NDJSON: Final = "application/x-ndjson"
-TEXT: Final = "text/plain"
-API_KEY: Final = "ApiKeyHeader"
-BEARER: Final = "BearerAuth"
-ADMIN: Final = "AdminBearer"
 _REF_TEMPLATE: Final = "#/components/schemas/{name}"
 _PATH_PARAM: Final = re.compile(r"\{([^}/]+)\}")
-JSONObject = dict[str, Any]
-EXAMPLE_MODEL: Final = "acme/small-chat"  # replaced by a served model when the document is served
-Family = ErrorFamily
-
-
-@dataclass(frozen=True)
-class Param:
-    """A query, header or path parameter."""
-
-    name: str
-    schema: Mapping[str, Any]
-    description: str = ""
-    required: bool = False
-
-
-Where = Literal["query", "header", "path"]
-Params = tuple[tuple[Where, Param], ...]
-
-
-@dataclass(frozen=True)
-class Header:
-    """A response header."""
-
-    description: str
-    schema: Mapping[str, Any] = field(default_factory=lambda: {"type": "string"})
-    required: bool = False
-
-
-@dataclass(frozen=True)
-class Response:
-    description: str
-    body: object = None  # any msgspec-describable type; rendered for JSON content types only
-    content: str | tuple[str, ...] = JSON
-    headers: Mapping[str, Header] = field(default_factory=dict)
-    links: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    event: Mapping[str, Any] | None = None  # a stream's schema: one event (SSE), as 3.1 says it
-    or_body: object = None  # a second shape the same status may have (anyOf)
-
-
-@dataclass(frozen=True)
-class Doc:
-    """What the OpenAPI document says of one route (its method and path come from the table)."""
-
-    summary: str
-    responses: Mapping[int, Response]
-    request: object = None  # request body type, None for no body
-    example: JSONObject | None = None  # a request body that works
-    tags: tuple[str, ...] = ()
-    security: tuple[str, ...] = (API_KEY, BEARER)
-    auth_optional: bool = True  # spec: callers without a key are guests
-    description: str = ""
-    params: Params = ()
-    drains: bool = True  # refused (503) while the gateway drains; health probes are not
-    # A multipart/form-data body instead: its schema as written (files as binary strings).
-    form: JSONObject | None = None
-
 
 _SECURITY_SCHEMES: Final[dict[str, Any]] = {
     API_KEY: {"type": "apiKey", "in": "header", "name": "X-API-Key",
@@ -108,120 +60,6 @@ _SECURITY_SCHEMES: Final[dict[str, Any]] = {
     ADMIN: {"type": "http", "scheme": "bearer",
             "description": "`Authorization: Bearer <GATEWAY_ADMIN_TOKEN>` or an admin-role JWT"},
 }
-
-# ---- headers ---------------------------------------------------------------------------------
-
-_SECONDS: Final = {"type": "integer", "minimum": 0}
-REQUEST_ID: Final = Header("This request's id: the client's X-Request-Id if it was usable, "
-                           "else a new one", required=True)
-RETRY_AFTER: Final = Header("Seconds until a retry may succeed", _SECONDS, required=True)
-RATE_LIMIT: Final[Mapping[str, Header]] = {
-    "X-RateLimit-Limit": Header("Requests per minute of the caller's tier", _SECONDS),
-    "X-RateLimit-Remaining": Header("Requests left in the current window", _SECONDS),
-    "X-RateLimit-Reset": Header("Seconds until the window frees a slot", _SECONDS),
-}
-TASK_ID: Final = Header("`direct:<uuid>` or `network:<uuid>` (not on an idempotent replay)")
-REPLAYED: Final = Header("`true` when this is the stored answer to an earlier request with the "
-                         "same Idempotency-Key (nothing ran, nothing was charged)",
-                         {"const": "true"})
-
-
-# ---- error bodies, one shape per family of routes ---------------------------------------------
-
-
-class _Exact(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """An error body is exactly this (additionalProperties: false): the families differ only
-    in their fields."""
-
-
-class ErrorInfo(_Exact):
-    type: Annotated[str, Meta(description="Machine-readable error class (DESIGN §6 on gateway "
-                                          "routes, Anthropic's error types on Messages)")]
-    message: str
-
-
-class ValidationErrorItem(_Exact):
-    loc: Annotated[list[str | int], Meta(description="Path of the fault, starting at 'body' "
-                                                     "(or 'header', 'path')")]
-    msg: str
-    type: str
-
-
-class ValidationErrorBody(_Exact):
-    detail: list[ValidationErrorItem]
-    error: ErrorInfo
-
-
-class ErrorBody(_Exact):
-    detail: str
-    error: ErrorInfo
-
-
-class AnthropicErrorBody(_Exact):
-    type: Literal["error"]
-    error: ErrorInfo
-    detail: Annotated[str, Meta(description="The message again, for FastAPI-style clients")]
-
-
-class AnthropicValidationErrorBody(_Exact):
-    type: Literal["error"]
-    error: ErrorInfo
-    detail: list[ValidationErrorItem]
-
-
-class OllamaErrorBody(_Exact):
-    error: str
-
-
-class OllamaValidationErrorBody(_Exact):
-    error: str
-    detail: list[ValidationErrorItem]
-
-
-_BODIES: Final[Mapping[Family, tuple[type, type]]] = {  # (other errors, 422 with its list)
-    "gateway": (ErrorBody, ValidationErrorBody),
-    "anthropic": (AnthropicErrorBody, AnthropicValidationErrorBody),
-    "ollama": (OllamaErrorBody, OllamaValidationErrorBody),
-}
-
-# DESIGN §6; every route picks the statuses it can answer (a `when` may say it more exactly).
-_WHEN: Final[Mapping[int, str]] = {
-    400: "The body is not JSON or not a JSON object (invalid_json)",
-    401: "Key or token malformed, unknown, revoked or expired (invalid_api_key)",
-    402: "The worst-case cost exceeds the available balance (insufficient_credits)",
-    403: "The tier may not use this model, mode or task family (forbidden)",
-    404: "Unknown model, or network mode, which no model offers yet (not_found)",
-    409: "A request with the same Idempotency-Key is still running (conflict)",
-    413: "The body is over the route's cap (payload_too_large)",
-    415: "The body is not sent as application/json (unsupported_media_type)",
-    422: "Schema or usage-rule failure (validation_error), every fault listed",
-    429: "The tier's rate is exceeded (rate_limited)",
-    501: "`async: true`: async chat tasks are not available yet (not_implemented)",
-    502: "The upstream failed or sent something unusable (upstream_error)",
-    503: "No healthy backend, all saturated, or the state store is down (unavailable)",
-    504: "The upstream did not answer in time (upstream_timeout)",
-}
-_TYPE_NAME: Final = re.compile(r" \([a-z_]+\)")
-_HEADERS_BY_STATUS: Final[Mapping[int, Mapping[str, Header]]] = {
-    429: {"Retry-After": RETRY_AFTER, **RATE_LIMIT},
-    503: {"Retry-After": RETRY_AFTER},
-}
-
-
-def error(family: Family, status: int, when: str | None = None, *, body: type | None = None,
-          headers: Mapping[str, Header] | None = None) -> Response:
-    plain, listed = _BODIES[family]
-    chosen = body or (listed if status == 422 else plain)
-    text = when or _WHEN[status]
-    if family != "gateway":  # the gateway's `error.type` names do not apply there
-        text = _TYPE_NAME.sub("", text)
-    return Response(text, chosen, JSON,
-                    headers if headers is not None else _HEADERS_BY_STATUS.get(status, {}))
-
-
-def errors(family: Family, *statuses: int) -> dict[int, Response]:
-    return {status: error(family, status) for status in statuses}
-
 
 # ---- rendering -------------------------------------------------------------------------------
 
@@ -344,8 +182,7 @@ def _answers(doc: Doc, family: Family) -> dict[int, Response]:
 
 
 def _also(documented: Response | None, family: Family, status: int, when: str) -> Response:
-    if family != "gateway":
-        when = _TYPE_NAME.sub("", when)
+    when = for_family(family, when)
     if documented is None:
         return error(family, status, when[0].upper() + when[1:])
     return replace(documented, description=f"{documented.description}; or {when}")

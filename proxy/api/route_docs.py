@@ -2,22 +2,19 @@
 parameters and request examples (the machinery that renders them is `proxy.api.openapi`).
 
 Each constant is one route's `Doc`; the app's route table (`proxy.app.ROUTES`) pairs it with the
-route, so a route cannot exist undescribed.
+route, so a route cannot exist undescribed. The inference routes (chat in its four styles,
+speech, transcription, images, video) are described here; the gateway's own routes (models,
+tasks, account, admin, Ollama discovery, probes) in service_docs.py, re-exported here so that
+the route table takes every `Doc` from this one module. The answers' bodies are in
+response_bodies.py, the error answers in error_docs.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final
 
-import msgspec
-from msgspec import Meta
-
-from proxy.api.account import ENTRY_ID_PATTERN, PAGE_MAX
-from proxy.api.admin import CreateKeyBody, CreditBody
-from proxy.api.ollama_discovery import ShowRequest
-from proxy.api.openapi import (
-    ADMIN,
+from proxy.api.doc_types import (
     EXAMPLE_MODEL,
     JSON,
     NDJSON,
@@ -28,16 +25,38 @@ from proxy.api.openapi import (
     TASK_ID,
     TEXT,
     Doc,
-    ErrorBody,
     Family,
     Header,
     JSONObject,
     Param,
     Params,
     Response,
-    Where,
-    error,
-    errors,
+)
+from proxy.api.error_docs import error, errors
+from proxy.api.response_bodies import AnthropicMessage, AsrAnswer, OllamaAnswer
+from proxy.api.service_docs import (
+    ACCOUNT,
+    ACCOUNT_USAGE,
+    ADMIN_ACCOUNT,
+    ADMIN_BACKENDS,
+    ADMIN_CREATE_KEY,
+    ADMIN_CREDITS,
+    ADMIN_LIST_KEYS,
+    ADMIN_RELOAD,
+    ADMIN_REVOKE_KEY,
+    HEALTHZ,
+    MEDIA,
+    METRICS,
+    MODELS,
+    OLLAMA_PS,
+    OLLAMA_ROOT,
+    OLLAMA_SHOW,
+    OLLAMA_TAGS,
+    OLLAMA_VERSION,
+    OPENAPI,
+    READYZ,
+    TASK,
+    TTS_PRESETS,
 )
 from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
 from proxy.credits.idempotency import MAX_KEY_LENGTH
@@ -45,205 +64,20 @@ from proxy.families.asr import LANGUAGE_PATTERN, AsrRequest
 from proxy.families.generation import ImageRequest, VideoRequest
 from proxy.families.openai_audio import SpeechRequest
 from proxy.families.tts import TtsRequest
-from proxy.identity.apikeys import KEY_ID_HEX, KEY_ID_PREFIX
-from proxy.identity.keystore import ACCOUNT_PATTERN
 from proxy.styles.anthropic_schema import MessagesRequest
 from proxy.styles.ollama_schema import OllamaChatRequest
 from proxy.styles.openai_schema import AsyncAccepted, ChatRequest, ChatResponse
 from proxy.styles.served_schema import ServedChatRequest
 
-# ---- response bodies (documentation: extra properties are allowed everywhere) -----------------
-
-
-class Health(msgspec.Struct, kw_only=True):
-    status: Literal["ok"]
-
-
-class ReadyChecks(msgspec.Struct, kw_only=True):
-    accepting: bool
-    redis: bool
-    backends: bool
-
-
-class Ready(msgspec.Struct, kw_only=True):
-    status: Literal["ready", "not ready"]
-    checks: ReadyChecks
-
-
-class Money(msgspec.Struct, kw_only=True):
-    credits: Annotated[str, Meta(description="Decimal credits, 6 places")]
-    micro_credits: int
-
-
-class KeyView(msgspec.Struct, kw_only=True):
-    id: Annotated[str, Meta(description="Key id (`key_` + 12 hex digits); never the key")]
-    account: str
-    tier: str
-    status: Literal["active", "revoked"]
-    label: str
-    created: Annotated[int, Meta(description="Unix seconds")]
-
-
-class CreatedKey(KeyView, kw_only=True):
-    key: Annotated[str, Meta(description="The API key; shown this once only")]
-
-
-class KeyList(msgspec.Struct, kw_only=True):
-    object: Literal["list"]
-    data: list[KeyView]
-
-
-class AccountKeys(msgspec.Struct, kw_only=True):
-    account: str
-    keys: list[KeyView]
-
-
-class CreditsAdded(msgspec.Struct, kw_only=True):
-    account: str
-    added: Money
-    available: Money
-
-
-class Reloaded(msgspec.Struct, kw_only=True):
-    status: Literal["reloaded"]
-    version: int
-
-
-class Balance(msgspec.Struct, kw_only=True):
-    available: Money
-    held: Money
-    spent: Money
-    credited: Money
-
-
-class RateLimitView(msgspec.Struct, kw_only=True):
-    limit: int
-    remaining: int
-    reset_s: int
-    per: Literal["minute"]
-
-
-class AccountView(msgspec.Struct, kw_only=True):
-    account: str
-    tier: str
-    key_id: str | None
-    balance: Balance
-    rate_limit: RateLimitView
-    price_version: str
-
-
-class UsageTotals(msgspec.Struct, kw_only=True):
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
-    characters: Annotated[int, Meta(description="Speech synthesis input")]
-    audio_seconds: Annotated[float, Meta(description="Speech recognition input, decoded")]
-    images: int
-    video_seconds: float
-    cost: Money
-
-
-class JournalEntry(msgspec.Struct, kw_only=True):
-    """One journal entry; the fields a charge carries, and more (route, mode, latency ...)."""
-
-    id: Annotated[str, Meta(description="Its place in the journal: a `before` for paging")]
-    type: Annotated[str, Meta(description="`charge` (a hold ended), `credit`, `usage` (guests)")]
-    cost: Annotated[int | None, Meta(description="Micro-credits charged")] = None
-    held: Annotated[int | None, Meta(description="Micro-credits the request held")] = None
-    status: Annotated[str | None, Meta(description="How the request ended")] = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    estimated: Annotated[bool | None, Meta(description="Counted by the gateway (a cut "
-                                                       "stream), not reported upstream")] = None
-    request_id: str | None = None
-    model: str | None = None
-
-
-class Usage(msgspec.Struct, kw_only=True):
-    account: str
-    totals: UsageTotals
-    by_model: dict[str, UsageTotals]
-    by_day: Annotated[dict[str, UsageTotals], Meta(description="Keyed by UTC date, YYYY-MM-DD")]
-    entries: Annotated[list[JournalEntry], Meta(description="Journal entries, newest first")]
-    next_before: Annotated[str | None, Meta(description="`before` for the next page; null at "
-                                                        "the end")]
-
-
-class ModelInfo(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["model"]
-    owned_by: str
-    resource: Annotated[str, Meta(description="`mode.source.model` (its first mode)")]
-    resources: Annotated[list[str], Meta(description="One per mode it is offered in")]
-    task_family: str
-    modes: list[str]
-    tiers: Annotated[dict[str, list[str]], Meta(description="Mode -> tiers that may use it")]
-    price: JSONObject
-    healthy: bool
-
-
-class AsrSegment(msgspec.Struct, kw_only=True):
-    id: int
-    start: float
-    end: float
-    text: str
-
-
-class AsrWord(msgspec.Struct, kw_only=True):
-    word: str
-    start: float
-    end: float
-
-
-class AsrAnswer(msgspec.Struct, kw_only=True):
-    """The spec's ASR response, plus segments or words when `return_timestamps` asks."""
-
-    text: str
-    language: Annotated[str, Meta(description="ISO 639-1 code")]
-    duration: Annotated[float, Meta(description="Seconds of audio (as the gateway decoded it)")]
-    segments: Annotated[list[AsrSegment] | None,
-                        Meta(description="With return_timestamps: true")] = None
-    words: Annotated[list[AsrWord] | None,
-                     Meta(description="With return_timestamps: \"word\"")] = None
-    words_estimated: Annotated[bool | None, Meta(
-        description="true: the server gave segments only; word times are spread over each "
-                    "segment by character offset")] = None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: Literal["list"]
-    data: list[ModelInfo]
-
-
-class AnthropicMessage(msgspec.Struct, kw_only=True):
-    id: str
-    type: Literal["message"]
-    role: Literal["assistant"]
-    model: str
-    content: Annotated[list[JSONObject], Meta(description="text, thinking and tool_use blocks")]
-    stop_reason: str | None
-    usage: JSONObject
-    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
-
-
-class OllamaAnswer(msgspec.Struct, kw_only=True):
-    model: str
-    created_at: str
-    message: JSONObject
-    done: Literal[True]
-    done_reason: str
-    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
-
-
-class OllamaVersion(msgspec.Struct, kw_only=True):
-    version: str
-
-
-class OllamaModels(msgspec.Struct, kw_only=True):
-    models: list[JSONObject]
-
-
-# ---- the routes ------------------------------------------------------------------------------
+# Every route's Doc, the gateway's own routes' from service_docs.py.
+__all__ = [
+    "ACCOUNT", "ACCOUNT_USAGE", "ADMIN_ACCOUNT", "ADMIN_BACKENDS", "ADMIN_CREATE_KEY",
+    "ADMIN_CREDITS", "ADMIN_LIST_KEYS", "ADMIN_RELOAD", "ADMIN_REVOKE_KEY", "ASR", "COMPAT_CHAT",
+    "HEALTHZ", "IMAGE", "MEDIA", "MESSAGES_CHAT", "METRICS", "MODELS", "NATIVE_CHAT", "OLLAMA_PS",
+    "OLLAMA_ROOT", "OLLAMA_SHOW", "OLLAMA_TAGS", "OLLAMA_VERSION", "OPENAI_SPEECH",
+    "OPENAI_TRANSCRIPTIONS", "OPENAI_TRANSLATIONS", "OPENAPI", "READYZ", "SERVED_CHAT", "TASK",
+    "TTS", "TTS_PRESETS", "VIDEO",
+]
 
 _CHAT_HEADERS: Final[Params] = (
     ("header", Param(IDEMPOTENCY_KEY, {"type": "string", "minLength": 1,
@@ -329,13 +163,6 @@ NATIVE_CHAT: Final = _chat(
     OllamaChatRequest, "ollama", (JSON, NDJSON),
     {"model": EXAMPLE_MODEL, "messages": _HELLO, "stream": False}, ok_body=OllamaAnswer,
     event=None,
-)
-MODELS: Final = Doc(
-    summary="List current models",
-    description="What the gateway serves, OpenAI list style, with each model's modes, task "
-                "family, the tiers that may use it, its price and whether it is healthy.",
-    responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
-    tags=("models",),
 )
 _TASK_ERRORS: Final = (400, 401, 402, 403, 404, 413, 415, 429, 502, 503, 504)
 _TASK_HEADERS: Final = {"X-Task-Id": TASK_ID, **RATE_LIMIT}
@@ -447,163 +274,3 @@ OPENAI_TRANSCRIPTIONS: Final = _openai_transcription(
     "transcribe", "Speech to text, OpenAI style (`client.audio.transcriptions.create`)")
 OPENAI_TRANSLATIONS: Final = _openai_transcription(
     "translate", "Speech to English text, OpenAI style (`client.audio.translations.create`)")
-class TaskError(msgspec.Struct, kw_only=True):
-    type: str
-    message: str
-    status: int
-
-
-class TaskRecord(msgspec.Struct, kw_only=True):
-    """A task as its owner polls it."""
-
-    task_id: str
-    status: Literal["running", "completed", "failed"]
-    result: Annotated[Any, Meta(description="completed: what the synchronous call answers; "
-                                            "audio and video as {media_key, media_url, "
-                                            "content_type, bytes}")] = None
-    error: Annotated[TaskError | None, Meta(description="failed: why")] = None
-    created_at: int
-    updated_at: int
-
-
-TASK: Final = Doc(
-    summary="Poll an async task",
-    description="The task's owner only (anyone else: 404). `running` until it ends: `completed` "
-                "with the result, or `failed` with the error the synchronous call would have "
-                "answered. Results are kept [tasks] result_ttl_s (a day by default).",
-    responses={200: Response("The task", TaskRecord), **errors("gateway", 401, 404, 503)},
-    tags=("tasks",),
-)
-MEDIA: Final = Doc(
-    summary="Fetch the audio (or video) of a finished task",
-    description="The task's owner only (anyone else: 404); `Range: bytes=a-b` answers 206.",
-    responses={200: Response("The media", None, ("audio/wav", "video/x-msvideo")),
-               206: Response("Part of it", None, ("audio/wav", "video/x-msvideo")),
-               416: Response("The range is outside the media", None, TEXT),
-               **errors("gateway", 401, 404, 503)},
-    tags=("tasks",),
-)
-TTS_PRESETS: Final = Doc(
-    summary="List voice presets",
-    description="The names `preset_voice` takes; open to guests and keys alike.",
-    responses={200: Response("Preset names", list[str]), **errors("gateway", 401)},
-    tags=("audio",),
-)
-_ACCOUNT_ERRORS: Final = {401: error("gateway", 401, "No key or token, or not a valid one "
-                                                     "(invalid_api_key)"),
-                          429: error("gateway", 429),  # counted like any request
-                          503: error("gateway", 503, "The account store is unreachable")}
-ACCOUNT: Final = Doc(
-    summary="Your tier, balance and rate limit left",
-    responses={200: Response("Account", AccountView, JSON, RATE_LIMIT), **_ACCOUNT_ERRORS},
-    tags=("account",), auth_optional=False,
-)
-USAGE_BEFORE: Final = f"^({ENTRY_ID_PATTERN})?$"  # a journal entry id, or empty
-ACCOUNT_USAGE: Final = Doc(
-    summary="Usage: totals, per model, per day, and the journal (paginated)",
-    responses={200: Response("Usage", Usage),
-               400: error("gateway", 400, "`limit` or `before` is not valid (invalid_request)"),
-               **_ACCOUNT_ERRORS},
-    tags=("account",), auth_optional=False,
-    params=(("query", Param("limit", {"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
-                            "Page size (default 50)")),
-            ("query", Param("before", {"type": "string", "pattern": USAGE_BEFORE},
-                            "The `next_before` of the previous page; empty or absent: the "
-                            "newest page"))),
-)
-OPENAPI: Final = Doc(
-    summary="This document", responses={200: Response("OpenAPI 3.1.0", JSONObject)},
-    tags=("meta",), security=(),
-)
-HEALTHZ: Final = Doc(
-    summary="Alive: the process answers", responses={200: Response("Alive", Health)},
-    tags=("meta",), security=(), drains=False,
-)
-METRICS: Final = Doc(
-    summary="Prometheus metrics of every worker (text exposition format; README: Monitoring)",
-    responses={200: Response("The metrics", None, "text/plain; version=0.0.4")},
-    tags=("meta",), security=(), drains=False,
-)
-READYZ: Final = Doc(
-    summary="Ready: not draining, Redis answers, a backend may take traffic",
-    responses={200: Response("Ready", Ready), 503: Response("Not ready", Ready)},
-    tags=("meta",), security=(), drains=False,
-)
-
-_ADMIN_401: Final = Response(
-    "No admin token or admin-role JWT, or not a valid one (invalid_api_key)", ErrorBody, JSON,
-    {"WWW-Authenticate": Header("`Bearer`", required=True)})
-_ACCOUNT_PARAM: Final[tuple[Where, Param]] = (
-    "path", Param("account", {"type": "string", "pattern": ACCOUNT_PATTERN}, required=True))
-_KEY_ID: Final = f"^{KEY_ID_PREFIX}[0-9a-f]{{{KEY_ID_HEX}}}$"
-_KEY_ID_PARAM: Final[tuple[Where, Param]] = (
-    "path", Param("key_id", {"type": "string", "pattern": _KEY_ID},
-                  "The key's id (never the key)", required=True))
-
-
-def _admin(summary: str, ok: Response, *errors_: int, request: object = None,
-           when: Mapping[int, str] | None = None, params: Params = ()) -> Doc:
-    status = 201 if request is not None else 200
-    when = when or {}
-    return Doc(summary=summary, request=request, params=params,
-               responses={status: ok, 401: _ADMIN_401,
-                          **{s: error("gateway", s, when.get(s)) for s in errors_}},
-               tags=("admin",), security=(ADMIN,), auth_optional=False)
-
-
-_BODY_ERRORS: Final = (400, 413, 415, 422)
-# Follow-ups a client (or a stateful tester) can make with what creating a key returned.
-_KEY_LINKS: Final = {
-    "RevokeKey": {"operationId": "delete_admin_keys_key_id",
-                  "parameters": {"key_id": "$response.body#/id"}},
-    "ShowAccount": {"operationId": "get_admin_accounts_account",
-                    "parameters": {"account": "$response.body#/account"}},
-}
-ADMIN_CREATE_KEY: Final = _admin(
-    "Issue an API key (shown once)",
-    Response("The key and its record", CreatedKey, JSON,
-             {"Cache-Control": Header("`no-store`: the key is shown once", required=True)},
-             _KEY_LINKS),
-    *_BODY_ERRORS, request=CreateKeyBody,
-    when={422: "Schema failure, or a tier the policies do not define (validation_error)"})
-ADMIN_LIST_KEYS: Final = _admin(
-    "List keys (never the keys themselves)", Response("Key records", KeyList),
-    params=(("query", Param("account", {"type": "string"}, "Only this account's keys")),))
-ADMIN_REVOKE_KEY: Final = _admin(
-    "Revoke a key by id, everywhere at once (revoking it again changes nothing)",
-    Response("The revoked record", KeyView), 404,
-    when={404: "No key has this id (not_found)"}, params=(_KEY_ID_PARAM,))
-ADMIN_ACCOUNT: Final = _admin(
-    "An account and its keys", Response("The account", AccountKeys), 404,
-    when={404: "No key was ever issued to this account (not_found)"}, params=(_ACCOUNT_PARAM,))
-ADMIN_CREDITS: Final = _admin(
-    "Add credits (negative: an adjustment), journaled",
-    Response("Added; the balance now available", CreditsAdded), *_BODY_ERRORS, 409, 503,
-    request=CreditBody, params=(_ACCOUNT_PARAM,),
-    when={409: "The adjustment would take the balance below zero, or beyond what the "
-               "ledger holds (conflict)", 503: "The credit store is unreachable"})
-ADMIN_RELOAD: Final = Doc(
-    summary="Reload policies/ (as SIGHUP does)", tags=("admin",), security=(ADMIN,),
-    auth_optional=False,
-    responses={200: Response("Reloaded", Reloaded), 401: _ADMIN_401,
-               422: error("gateway", 422, "A policy file is invalid; the old policies stay "
-                                          "(validation_error)", body=ErrorBody)})
-ADMIN_BACKENDS: Final = _admin("Backends: state, health and load as this worker sees them",
-                               Response("Backends", JSONObject))
-
-
-def _ollama(summary: str, ok: Response, *statuses: int, request: object = None) -> Doc:
-    return Doc(summary=summary, request=request, tags=("ollama",),
-               responses={200: ok, **errors("ollama", 401, *statuses)})
-
-
-OLLAMA_TAGS: Final = _ollama("Ollama: the chat models served", Response("Models", OllamaModels))
-OLLAMA_SHOW: Final = Doc(
-    summary="Ollama: one model's details", request=ShowRequest, example={"model": EXAMPLE_MODEL},
-    tags=("ollama",), responses={200: Response("Details", JSONObject),
-                                 **errors("ollama", 400, 401, 404, 413, 415, 422)})
-OLLAMA_VERSION: Final = _ollama("Ollama: the API level these answers mirror",
-                                Response("Version", OllamaVersion))
-OLLAMA_PS: Final = _ollama("Ollama: loaded models (none: models stay loaded)",
-                           Response("Loaded models", OllamaModels))
-OLLAMA_ROOT: Final = _ollama("Ollama: \"Ollama is running\"", Response("Running", None, TEXT))

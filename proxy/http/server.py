@@ -140,8 +140,8 @@ class GatewayProtocol(RequestHandler):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._write_timer = self._loop.call_later(self._gateway.settings.write_timeout_s,
-                                                  self._write_expired)
+        self._write_timer = self._gateway.loop.call_later(
+            self._gateway.settings.write_timeout_s, self._write_expired)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -175,8 +175,8 @@ class GatewayProtocol(RequestHandler):
         return waiter is not None and not waiter.done()
 
     def _arm_head_deadline(self) -> None:
-        self._head_timer = self._loop.call_later(self._gateway.settings.header_timeout_s,
-                                                 self._head_expired)
+        self._head_timer = self._gateway.loop.call_later(
+            self._gateway.settings.header_timeout_s, self._head_expired)
 
     def _head_expired(self) -> None:
         self._head_timer = None
@@ -202,21 +202,29 @@ class GatewayProtocol(RequestHandler):
         transport.write(raw_response(_SHED))
         if transport.can_write_eof():
             transport.write_eof()
-        self._head_timer = self._loop.call_later(SHED_LINGER_S, transport.abort)  # its one timer
+        # Its one timer, kept where the head deadline's would be.
+        self._head_timer = self._gateway.loop.call_later(SHED_LINGER_S, transport.abort)
 
 
 class GatewayServer(web.Server):
     """aiohttp's Server making GatewayProtocol connections and counting the open ones."""
 
-    def __init__(self, *args: Any, settings: ServerSection, max_connections: int,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, handler: Handler, *, request_factory: Callable[..., web.BaseRequest],
+                 handler_cancellation: bool, settings: ServerSection, max_connections: int,
+                 **handler_kwargs: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        super().__init__(handler, request_factory=request_factory,
+                         handler_cancellation=handler_cancellation, loop=self.loop,
+                         **handler_kwargs)
+        # Each connection's options (timeouts, line limits, logging), kept here rather than
+        # read back from aiohttp's Server.
+        self.handler_kwargs = handler_kwargs
         self.settings = settings
         self.max_connections = max_connections
         self.open_connections = 0
 
     def __call__(self) -> GatewayProtocol:
-        return GatewayProtocol(self, loop=self._loop, **self._kwargs)
+        return GatewayProtocol(self, loop=self.loop, **self.handler_kwargs)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)

@@ -16,9 +16,10 @@ the engines' own load) is read then, not counted here.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -44,6 +45,13 @@ FLUSH_S = 1.0
 # Units a settlement counts besides tokens: the journal's name -> (the label, its scale).
 MEDIA_UNITS = {"characters": ("characters", 1), "audio_ms": ("audio_seconds", 1000),
                "images": ("images", 1), "video_ms": ("video_seconds", 1000)}
+
+
+def bucket_bounds(buckets: Sequence[float]) -> tuple[float, ...]:
+    """A histogram's bucket upper bounds as it counts them: ours, then +Inf (the exposition
+    format always has a last bucket, `le="+Inf"`; prometheus-client appends it)."""
+    bounds = tuple(float(bound) for bound in buckets)
+    return bounds if bounds and bounds[-1] == math.inf else (*bounds, math.inf)
 
 
 class Labels:
@@ -80,6 +88,7 @@ class Metrics:
         self._added: dict[Any, float] = {}
         self._live: dict[Any, int] = {}  # gauge children: what is open now
         self._observed: dict[Any, list[float]] = {}
+        self._bounds: dict[Any, tuple[float, ...]] = {}  # a histogram child's bucket bounds
         r = registry
         self.requests = Counter(
             "igw_requests", "Requests answered, by route template, model, tier and status.",
@@ -142,6 +151,10 @@ class Metrics:
             "igw_settlements_unreplicated", "Settlement writes that fewer replicas than "
             "`ledger_ack_replicas` confirmed within a second (a failover then could lose them).",
             registry=r)
+        # The histograms' buckets as they were made, for `observe` to count into.
+        self._histogram_bounds = {id(self.duration): bucket_bounds(LATENCY_BUCKETS),
+                                  id(self.first_token): bucket_bounds(FIRST_TOKEN_BUCKETS),
+                                  id(self.upstream_latency): bucket_bounds(LATENCY_BUCKETS)}
 
     # --- the hot path: tallied in plain dicts, written to the metric values by `flush` ------
 
@@ -151,6 +164,9 @@ class Metrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
+            bounds = self._histogram_bounds.get(id(metric))
+            if bounds is not None:
+                self._bounds[found] = bounds
         return found
 
     def add(self, child: Any, amount: float = 1.0) -> None:
@@ -162,12 +178,13 @@ class Metrics:
         self._live[child] = self._live.get(child, 0) + change
 
     def observe(self, child: Any, value: float) -> None:
-        """Observe `value` on a histogram's child."""
+        """Observe `value` on a histogram's child (one `child` made)."""
+        bounds = self._bounds[child]
         tally = self._observed.get(child)
         if tally is None:
-            tally = self._observed[child] = [0.0] * (len(child._upper_bounds) + 1)
+            tally = self._observed[child] = [0.0] * (len(bounds) + 1)
         tally[0] += value  # the sum, then one count per bucket
-        tally[1 + bisect_left(child._upper_bounds, value)] += 1
+        tally[1 + bisect_left(bounds, value)] += 1
 
     def flush(self) -> None:
         """Write what was tallied since the last flush: one update per series, not one per
@@ -181,7 +198,8 @@ class Metrics:
             child.set(open_now)
         for child, tally in observed.items():
             # prometheus-client has no "observe many": its histogram is a sum and a value
-            # per bucket, which is what we add to.
+            # per bucket (private: `_sum`, `_buckets`, in tests/test_contracts.py), which is
+            # what we add to.
             child._sum.inc(tally[0])
             for bucket, count in zip(child._buckets, tally[1:], strict=True):
                 if count:

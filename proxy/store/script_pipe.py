@@ -141,9 +141,12 @@ class _Link(asyncio.Protocol):
         self._conn = conn
         self._disconnect = disconnect
         self._loop = asyncio.get_running_loop()
-        # redis-py keeps the transport behind its StreamWriter (no public accessor).
+        # redis-py keeps the transport behind its StreamWriter (no public accessor; private
+        # names of libraries are listed in tests/test_contracts.py).
         self._transport = cast(asyncio.Transport, conn._writer.transport)  # type: ignore[union-attr]
-        # Its own "no whole reply yet" marker: False is a reply under RESP3.
+        # Error replies become redis-py's own exceptions (NoScriptError, MOVED, ...), as its
+        # hiredis parser makes them. Its own "no whole reply yet" marker: False is a reply under
+        # RESP3.
         self._parser = hiredis.Reader(protocolError=InvalidResponse,
                                       replyError=BaseParser.parse_error,
                                       notEnoughData=_PENDING)

@@ -1,0 +1,221 @@
+"""The bodies of the gateway's own answers as the OpenAPI document describes them (health,
+readiness, keys, credits, account and usage, models, tasks, the ASR answer, the Anthropic and
+Ollama shapes). Documentation only: extra properties are allowed everywhere. The request bodies
+are the validators' own Structs (proxy/styles/, proxy/families/).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from proxy.api.doc_types import JSONObject
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: Literal["ok"]
+
+
+class ReadyChecks(msgspec.Struct, kw_only=True):
+    accepting: bool
+    redis: bool
+    backends: bool
+
+
+class Ready(msgspec.Struct, kw_only=True):
+    status: Literal["ready", "not ready"]
+    checks: ReadyChecks
+
+
+class Money(msgspec.Struct, kw_only=True):
+    credits: Annotated[str, Meta(description="Decimal credits, 6 places")]
+    micro_credits: int
+
+
+class KeyView(msgspec.Struct, kw_only=True):
+    id: Annotated[str, Meta(description="Key id (`key_` + 12 hex digits); never the key")]
+    account: str
+    tier: str
+    status: Literal["active", "revoked"]
+    label: str
+    created: Annotated[int, Meta(description="Unix seconds")]
+
+
+class CreatedKey(KeyView, kw_only=True):
+    key: Annotated[str, Meta(description="The API key; shown this once only")]
+
+
+class KeyList(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[KeyView]
+
+
+class AccountKeys(msgspec.Struct, kw_only=True):
+    account: str
+    keys: list[KeyView]
+
+
+class CreditsAdded(msgspec.Struct, kw_only=True):
+    account: str
+    added: Money
+    available: Money
+
+
+class Reloaded(msgspec.Struct, kw_only=True):
+    status: Literal["reloaded"]
+    version: int
+
+
+class Balance(msgspec.Struct, kw_only=True):
+    available: Money
+    held: Money
+    spent: Money
+    credited: Money
+
+
+class RateLimitView(msgspec.Struct, kw_only=True):
+    limit: int
+    remaining: int
+    reset_s: int
+    per: Literal["minute"]
+
+
+class AccountView(msgspec.Struct, kw_only=True):
+    account: str
+    tier: str
+    key_id: str | None
+    balance: Balance
+    rate_limit: RateLimitView
+    price_version: str
+
+
+class UsageTotals(msgspec.Struct, kw_only=True):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    characters: Annotated[int, Meta(description="Speech synthesis input")]
+    audio_seconds: Annotated[float, Meta(description="Speech recognition input, decoded")]
+    images: int
+    video_seconds: float
+    cost: Money
+
+
+class JournalEntry(msgspec.Struct, kw_only=True):
+    """One journal entry; the fields a charge carries, and more (route, mode, latency ...)."""
+
+    id: Annotated[str, Meta(description="Its place in the journal: a `before` for paging")]
+    type: Annotated[str, Meta(description="`charge` (a hold ended), `credit`, `usage` (guests)")]
+    cost: Annotated[int | None, Meta(description="Micro-credits charged")] = None
+    held: Annotated[int | None, Meta(description="Micro-credits the request held")] = None
+    status: Annotated[str | None, Meta(description="How the request ended")] = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    estimated: Annotated[bool | None, Meta(description="Counted by the gateway (a cut "
+                                                       "stream), not reported upstream")] = None
+    request_id: str | None = None
+    model: str | None = None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    account: str
+    totals: UsageTotals
+    by_model: dict[str, UsageTotals]
+    by_day: Annotated[dict[str, UsageTotals], Meta(description="Keyed by UTC date, YYYY-MM-DD")]
+    entries: Annotated[list[JournalEntry], Meta(description="Journal entries, newest first")]
+    next_before: Annotated[str | None, Meta(description="`before` for the next page; null at "
+                                                        "the end")]
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    resource: Annotated[str, Meta(description="`mode.source.model` (its first mode)")]
+    resources: Annotated[list[str], Meta(description="One per mode it is offered in")]
+    task_family: str
+    modes: list[str]
+    tiers: Annotated[dict[str, list[str]], Meta(description="Mode -> tiers that may use it")]
+    price: JSONObject
+    healthy: bool
+
+
+class AsrSegment(msgspec.Struct, kw_only=True):
+    id: int
+    start: float
+    end: float
+    text: str
+
+
+class AsrWord(msgspec.Struct, kw_only=True):
+    word: str
+    start: float
+    end: float
+
+
+class AsrAnswer(msgspec.Struct, kw_only=True):
+    """The spec's ASR response, plus segments or words when `return_timestamps` asks."""
+
+    text: str
+    language: Annotated[str, Meta(description="ISO 639-1 code")]
+    duration: Annotated[float, Meta(description="Seconds of audio (as the gateway decoded it)")]
+    segments: Annotated[list[AsrSegment] | None,
+                        Meta(description="With return_timestamps: true")] = None
+    words: Annotated[list[AsrWord] | None,
+                     Meta(description="With return_timestamps: \"word\"")] = None
+    words_estimated: Annotated[bool | None, Meta(
+        description="true: the server gave segments only; word times are spread over each "
+                    "segment by character offset")] = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[ModelInfo]
+
+
+class AnthropicMessage(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: Annotated[list[JSONObject], Meta(description="text, thinking and tool_use blocks")]
+    stop_reason: str | None
+    usage: JSONObject
+    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
+
+
+class OllamaAnswer(msgspec.Struct, kw_only=True):
+    model: str
+    created_at: str
+    message: JSONObject
+    done: Literal[True]
+    done_reason: str
+    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
+
+
+class OllamaVersion(msgspec.Struct, kw_only=True):
+    version: str
+
+
+class OllamaModels(msgspec.Struct, kw_only=True):
+    models: list[JSONObject]
+
+
+class TaskError(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+    status: int
+
+
+class TaskRecord(msgspec.Struct, kw_only=True):
+    """A task as its owner polls it."""
+
+    task_id: str
+    status: Literal["running", "completed", "failed"]
+    result: Annotated[Any, Meta(description="completed: what the synchronous call answers; "
+                                            "audio and video as {media_key, media_url, "
+                                            "content_type, bytes}")] = None
+    error: Annotated[TaskError | None, Meta(description="failed: why")] = None
+    created_at: int
+    updated_at: int

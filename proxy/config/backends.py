@@ -1,0 +1,171 @@
+"""backends.toml: the gateway's own settings ([gateway], [server], [upstream], [health],
+[supervisor], [routing]) and the upstream servers it sends requests to ([[backends]]).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from proxy.config.vocabulary import BackendKind, Mode, NonEmpty, Port, Seconds, Section
+
+
+def _direct_only() -> list[Mode]:
+    return ["direct"]
+
+
+class GatewaySection(Section, frozen=True):
+    host: str = "127.0.0.1"
+    port: Port = 8080
+    # Unset: `serve` starts an embedded redis-server under data_dir (GATEWAY_REDIS_URL overrides).
+    redis_url: str | None = None
+    # Rate-limit counters need no durability; a Redis without fsync-on-every-write keeps them
+    # off the ledger's slow path (GATEWAY_RATELIMIT_REDIS_URL overrides). Unset: the embedded
+    # gateway starts a second, non-persistent server; with `redis_url` set, that one is used.
+    rate_limit_redis_url: str | None = None
+    # The embedded ledger Redis's `appendfsync`: "always" (default) loses no acknowledged charge
+    # or top-up in a machine crash; "everysec" can lose the last second of them, and spares
+    # every admission the wait behind an fsync on Redis' main thread (DESIGN §4; README).
+    ledger_fsync: Literal["always", "everysec"] = "always"
+    # With replicas (Redis Cluster, Sentinel): each settlement batch and top-up waits until this
+    # many replicas have it (WAIT, at most 1 s), so a failover keeps every settled charge.
+    ledger_ack_replicas: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+    # Relative paths are taken from the config folder.
+    data_dir: str = ".gateway"
+    # HTTP worker processes sharing the port (SO_REUSEPORT); unset = one per CPU.
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+    # On SIGTERM: readiness fails at once, open streams get this long to finish.
+    drain_timeout_s: Seconds = 30.0
+    # One JSON line per request: "stderr", "off", or a file (relative to the config folder).
+    access_log: NonEmpty = "stderr"
+
+
+class ServerSection(Section, frozen=True):
+    """Client connections: deadlines and a per-worker cap, so slow or silent sockets cannot pile
+    up (aiohttp alone keeps an idle connection an hour and puts no deadline on a request head)."""
+
+    # An idle kept-alive connection is closed this long after its last response.
+    keepalive_timeout_s: Seconds = 15.0
+    # A request head (request line and headers) must be complete this long after the connection
+    # opens, or after its first byte on a kept-alive connection; else 408 (or a silent close).
+    header_timeout_s: Seconds = 10.0
+    # A route reading a body must have all of it this long after it starts reading; else 408.
+    body_timeout_s: Seconds = 30.0
+    # A client that reads nothing of a response for this long is treated as gone.
+    write_timeout_s: Seconds = 30.0
+    # Open client connections per worker; the next ones get 503 and are closed. Lowered at start
+    # to stay under the worker's open-file limit.
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+
+
+class UpstreamSection(Section, frozen=True):
+    connect_timeout_s: Seconds = 5.0
+    # Until the first byte of the body: covers queueing and prefill (and, for a non-streaming
+    # request, the whole generation, since those servers answer only when done).
+    first_byte_timeout_s: Seconds = 300.0
+    # Longest silence between two chunks once a stream is flowing.
+    idle_timeout_s: Seconds = 60.0
+    # Longest a stream may run in all; it then ends with an error event. With the timeouts above
+    # it must stay below prices.toml's hold_ttl_s, so no hold can expire under a live request.
+    max_stream_s: Seconds = 1800.0
+
+    @property
+    def longest_request_s(self) -> float:
+        """The longest a request may run: connect and first byte twice (one retry on another
+        backend), then the stream."""
+        return 2 * (self.connect_timeout_s + self.first_byte_timeout_s) + self.max_stream_s
+
+
+class BackendSpec(Section, frozen=True):
+    name: NonEmpty
+    kind: BackendKind
+    url: NonEmpty
+    models: Annotated[list[NonEmpty], msgspec.Meta(min_length=1)]
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
+    # The pools this backend is in: "direct" (one backend answers) and/or "network" (the request
+    # runs on several backends of the network pool and a quorum must agree); a backend may be in
+    # both. Network replicas must answer alike, so list only servers of the same weights there.
+    modes: Annotated[list[Mode], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=_direct_only)
+    weight: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Client headers passed upstream as they are: exact names or prefixes ending in `*`
+    # (the simulators read `x-sim-*` fault headers). Nothing else from the client goes upstream.
+    forward_headers: list[NonEmpty] = []
+    # Name of an environment variable holding the backend's own API key (vLLM --api-key, OpenAI).
+    api_key_env: str | None = None
+    # Health probe path (default by kind: TGI and vLLM `/health`, Ollama `/`); "" disables it.
+    health_path: str | None = None
+    # Supervision: when `command` is set the gateway starts this process itself (argv list, no
+    # shell), waits for its health probe before routing to it, and restarts it when it exits.
+    command: list[NonEmpty] | None = None
+    env: dict[str, str] = {}  # merged over the gateway's environment
+    cwd: str | None = None  # relative to the config folder (default: the folder itself)
+    # kind "tts": the server's voice for each preset (unlisted presets go in lower case), and
+    # the longest text it takes in one request (OpenAI's 4096): longer texts are spoken in
+    # pieces, split between sentences, and joined into one WAV.
+    voices: dict[str, NonEmpty] = {}
+    max_input_chars: Annotated[int, msgspec.Meta(ge=100, le=1_000_000)] = 4096
+    # kind "whisper": which wire it speaks: "openai" (OpenAI, vLLM, speaches:
+    # /v1/audio/transcriptions and /translations) or "whisper.cpp" (its server's /inference).
+    api: Literal["openai", "whisper.cpp"] = "openai"
+    # kinds "image" and "video": the <provider> of /v2/image/<provider>/generate and
+    # /v2/video/<provider>/t2v that this backend serves (default: its name).
+    provider: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None \
+        = None
+
+
+class HealthSection(Section, frozen=True):
+    """Active probes and passive ejection (Envoy-style outlier detection)."""
+
+    interval_s: Seconds = 5.0
+    # How often the master reads each vLLM/TGI backend's own load (its /metrics: waiting and
+    # running requests, KV-cache use) for /metrics and /admin/backends; 0 turns it off.
+    engine_signals_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.25
+    timeout_s: Seconds = 2.0
+    # Passive: this many consecutive failures eject a backend for a cool-down that grows with
+    # each ejection (base, doubling, capped); never more than this share of a pool at once.
+    consecutive_failures: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 5
+    ejection_base_s: Seconds = 10.0
+    ejection_max_s: Seconds = 300.0
+    max_ejected_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+
+
+class SupervisorSection(Section, frozen=True):
+    """How supervised backends (those with `command`) are started, restarted and stopped."""
+
+    startup_timeout_s: Seconds = 600.0  # model loading can take minutes
+    grace_s: Seconds = 10.0  # SIGTERM, then this long, then SIGKILL
+    backoff_base_s: Seconds = 1.0
+    backoff_max_s: Seconds = 60.0
+
+
+Pick = Literal["prefix", "engine", "p2c"]
+Weight = Annotated[float, msgspec.Meta(ge=0, le=1000)]
+
+
+class RoutingSection(Section, frozen=True):
+    """How a chat pool picks a replica (proxy.upstream.routing); other pools use "p2c"."""
+
+    # "prefix": one replica per shared prefix (warm prefix cache), within the load bound;
+    # "engine": the lowest load by the engines' own figures; "p2c": two random choices.
+    pick: Pick = "prefix"
+    models: dict[str, Pick] = {}  # per model, over `pick`
+    # "prefix" passes over a replica above (1 + load_bound) x the pool's mean load.
+    load_bound: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.25
+    # The engine load score: waiting, running, KV-cache use (0-1), and the requests this worker
+    # sent since the last read of the engine's figures.
+    waiting_weight: Weight = 1.0
+    running_weight: Weight = 0.5
+    kv_cache_weight: Weight = 4.0
+    sent_weight: Weight = 1.0
+
+
+class BackendsFile(Section, frozen=True):
+    gateway: GatewaySection = GatewaySection()
+    server: ServerSection = ServerSection()
+    upstream: UpstreamSection = UpstreamSection()
+    health: HealthSection = HealthSection()
+    supervisor: SupervisorSection = SupervisorSection()
+    routing: RoutingSection = RoutingSection()
+    backends: list[BackendSpec] = []

@@ -107,7 +107,7 @@ HEALTHZ: Final = Doc(
     tags=("meta",), security=(), drains=False,
 )
 METRICS: Final = Doc(
-    summary="Prometheus metrics of every worker (text exposition format; README: Monitoring)",
+    summary="Prometheus metrics of every worker (text exposition format; docs/monitoring.md)",
     responses={200: Response("The metrics", None, "text/plain; version=0.0.4")},
     tags=("meta",), security=(), drains=False,
 )

@@ -26,7 +26,7 @@ class GatewaySection(Section, frozen=True):
     rate_limit_redis_url: str | None = None
     # The embedded ledger Redis's `appendfsync`: "always" (default) loses no acknowledged charge
     # or top-up in a machine crash; "everysec" can lose the last second of them, and spares
-    # every admission the wait behind an fsync on Redis' main thread (DESIGN §4; README).
+    # every admission the wait behind an fsync on Redis' main thread (DESIGN §4; docs/credits.md).
     ledger_fsync: Literal["always", "everysec"] = "always"
     # With replicas (Redis Cluster, Sentinel): each settlement batch and top-up waits until this
     # many replicas have it (WAIT, at most 1 s), so a failover keeps every settled charge.

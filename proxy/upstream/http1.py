@@ -7,7 +7,7 @@ httptools' (llhttp, the parser aiohttp itself uses). aiohttp's client (DESIGN §
 everything else (probes, the engines' /metrics, media fetches): per request it builds a request
 object, a response object, a timer context and a task that writes the body one loop turn later,
 which measured +0.13 to +0.16 ms at the median of a request at 1,000/s on this project's
-machines, a quarter of all the latency the gateway adds (README "Benchmarks").
+machines, a quarter of all the latency the gateway adds (loadtests/README.md).
 
 An idle connection is reused last-in first-out and dropped after `IDLE_S` (below the 5 s after
 which uvicorn, i.e. vLLM, closes an idle connection itself), or at once when the server closes

@@ -28,7 +28,9 @@ from proxy.observe.metrics import Labels, Metrics
 from proxy.runtime.signal_scraper import SignalScraper
 from proxy.store.redis_process import RedisProcess
 from proxy.upstream.fleet_state import signals_key
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

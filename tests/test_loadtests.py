@@ -31,8 +31,8 @@ from aiohttp.test_utils import TestServer
 from loadtests import clock, loadgen, mock, procs, report
 from loadtests.checks import StreamCheck, completion_problem
 from loadtests.servers import Server, free_port, nginx_args, nginx_binary, wait_ready
-from tests.conftest import GENEROUS_TIERS, MODEL, write_config
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.support.config_files import GENEROUS_TIERS, MODEL, write_config
+from tests.support.processes import wait_until_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADED = ("throughput", "stream", "open_loop")

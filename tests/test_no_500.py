@@ -18,7 +18,8 @@ from proxy.config import load_config
 from proxy.simulators import SimConfig
 from proxy.simulators import build_app as build_simulator
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import GENEROUS_TIERS, MODEL, new_key, write_config
+from tests.support.accounts import new_key
+from tests.support.config_files import GENEROUS_TIERS, MODEL, write_config
 
 ROUTES = ["/v2/compat/v1/chat/completions", "/v2/served/v1/chat/completions",
           "/v2/messages/v1/messages", "/v2/native/api/chat"]

@@ -9,43 +9,11 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 
-from proxy.http.sse import SSEDecoder
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-
-CHAT = "/v2/compat/v1/chat/completions"
-PROBE_AGENT = "inference-gateway-health"
-HELLO = [{"role": "user", "content": "Say hello to the world."}]
-
-
-def client_for(gateway: TestServer, **options: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=str(gateway.make_url("/v2/compat/v1")), api_key=gateway.api_key,  # type: ignore[attr-defined]
-        max_retries=0, **options,
-    )
-
-
-async def sim_requests(sim: TestServer) -> list[dict[str, Any]]:
-    """What clients' requests sent the simulator (the gateway's health probes left out: a
-    failure wakes one, and deep probes are generations too)."""
-    async with aiohttp.ClientSession() as session, session.get(sim.make_url("/_sim/requests")) as r:
-        records: list[dict[str, Any]] = await r.json()
-        return [r for r in records if r["headers"].get("user-agent") != PROBE_AGENT]
-
-
-async def post(gateway: TestServer, body: Any, headers: dict[str, str] | None = None,
-               raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
-    async with aiohttp.ClientSession() as session, session.post(
-        gateway.make_url(CHAT), data=raw if raw is not None else orjson.dumps(body),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    ) as response:
-        return response.status, dict(response.headers), await response.read()
-
-
-def sse_payloads(raw: bytes) -> list[bytes]:
-    decoder = SSEDecoder()
-    return [event.data for event in decoder.feed(raw) + decoder.finish()]
+from tests.support.chat import CHAT, HELLO, client_for, post, sse_payloads
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 
 @pytest.mark.parametrize("kind", ["vllm", "tgi"])

@@ -9,8 +9,10 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-from tests.test_pipeline import CHAT, HELLO, client_for, post, sim_requests
+from tests.support.chat import CHAT, HELLO, client_for, post
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 
 @pytest.fixture

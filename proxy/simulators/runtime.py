@@ -40,9 +40,7 @@ from proxy.simulators.faults import (
 from proxy.simulators.state import STATE, SimState
 from proxy.simulators.textgen import LENGTH
 
-# STATE's home is `state`; tests/conftest.py and tests/upstream/test_failover.py import it
-# from here.
-__all__ = ["STATE", "Handler", "inference"]
+__all__ = ["Handler", "inference"]
 
 Handler = Callable[[Exchange], Awaitable[web.StreamResponse]]
 

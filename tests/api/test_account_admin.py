@@ -14,8 +14,9 @@ from aiohttp.test_utils import TestServer
 from jsonschema import Draft202012Validator
 
 from proxy.app import openapi_document
-from tests.conftest import GENEROUS_TIERS, MODEL, GatewayFactory, SimulatorFactory
-from tests.test_pipeline import sim_requests
+from tests.support.config_files import GENEROUS_TIERS, MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
 

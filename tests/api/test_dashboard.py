@@ -29,15 +29,11 @@ from proxy.appkeys import DRAIN
 from proxy.credits.ledger import Ledger
 from proxy.credits.pricing import format_credits
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import (
-    GENEROUS_TIERS,
-    MODEL,
-    GatewayFactory,
-    SimulatorFactory,
-    new_key,
-    settled,
-)
-from tests.test_pipeline import HELLO
+from tests.support.accounts import new_key
+from tests.support.chat import HELLO
+from tests.support.config_files import GENEROUS_TIERS, MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory
 
 CHROMIUM = Path("/usr/bin/chromium")
 OTHER_MODEL = "acme/other-chat"

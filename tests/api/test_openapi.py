@@ -25,7 +25,7 @@ from proxy.styles.openai import OpenAIStyle
 from proxy.styles.openai_schema import ChatRequest, chat_usage_rules
 from proxy.styles.served_schema import ServedChatRequest
 from proxy.validate import RequestInvalid, validate_with
-from tests.styles.test_openai_schema import FIELD_DICTS, PROPERTY
+from tests.support.chat_requests import FIELD_DICTS, PROPERTY
 
 DOC = openapi_document()
 MODEL = "acme/small-chat"

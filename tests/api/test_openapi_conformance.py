@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from proxy.media.wav import wav_bytes
-from tests.conftest import GENEROUS_TIERS, MODEL, free_port, write_config
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.support.config_files import GENEROUS_TIERS, MODEL, write_config
+from tests.support.processes import free_port, wait_until_ready
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -15,8 +15,10 @@ from aiohttp.test_utils import TestServer
 
 from proxy.config import Rates
 from proxy.credits.pricing import ChatUsage, chat_cost, chat_hold, prompt_upper_bound, usage_from
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled
-from tests.credits.test_money import funded_key, journal
+from tests.support.accounts import funded_key, journal
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory
 
 LONG = [{"role": "user", "content": "word " * 100}]  # 104 tokens (simulator's rule)
 PROMPT, CACHED = 104, 96  # a repeat hits in whole 16-token blocks, all but the last token

@@ -24,8 +24,11 @@ from proxy.credits.pricing import (
 )
 from proxy.store.redis_process import RedisProcess
 from proxy.styles.wire import carries_tokens
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key, settled
-from tests.test_pipeline import CHAT, HELLO, post, sse_payloads
+from tests.support.accounts import new_key
+from tests.support.chat import CHAT, HELLO, post, sse_payloads
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory
 
 # 1 micro-credit per prompt token, 10 per completion token: easy to check by hand.
 PRICES = f"""

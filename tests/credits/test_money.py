@@ -21,16 +21,12 @@ from proxy.credits.settler import Settler
 from proxy.observe.metrics import Labels, Metrics
 from proxy.store.redis_process import RedisProcess
 from proxy.store.script_pipe import REPLY_TIMEOUT_S
-from tests.conftest import (
-    MODEL,
-    GatewayFactory,
-    SimulatorFactory,
-    free_port,
-    new_key,
-    settled,
-    write_config,
-)
-from tests.test_pipeline import HELLO, sim_requests
+from tests.support.accounts import funded_key, journal
+from tests.support.chat import HELLO
+from tests.support.config_files import MODEL, write_config
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.processes import free_port
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 PRICES = """
 version = "money-v1"
@@ -53,24 +49,6 @@ async def call(server: TestServer, path: str, body: Any, headers: dict[str, str]
     async with aiohttp.ClientSession() as session, session.post(
             server.make_url(path), json=body, headers=headers) as response:
         return response.status, await response.read()
-
-
-async def funded_key(redis_url: str, account: str = "acme", credits: int = 10**9) -> str:
-    key = await new_key(redis_url, "max", account=account)
-    redis = Redis.from_url(redis_url)
-    try:
-        await Ledger(redis).credit(account, credits, {"reason": "test"})
-    finally:
-        await redis.aclose()
-    return key
-
-
-async def journal(redis_url: str, account: str = "acme") -> list[dict[str, Any]]:
-    redis = Redis.from_url(redis_url)
-    try:
-        return await Ledger(redis).all_entries(account)
-    finally:
-        await redis.aclose()
 
 
 # -- 1: the cap the hold assumed always goes upstream ---------------------------------------------

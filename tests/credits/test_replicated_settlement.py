@@ -15,8 +15,9 @@ from proxy.credits.ledger import Ledger, settle_call
 from proxy.credits.settler import Settler
 from proxy.observe.metrics import Labels, Metrics
 from proxy.store.client import connect_redis
-from tests.conftest import MODEL, free_port
-from tests.redis_topologies import RedisNode
+from tests.support.config_files import MODEL
+from tests.support.processes import free_port
+from tests.support.redis_topologies import RedisNode
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import socket
 from typing import Any
 
@@ -15,18 +14,10 @@ import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from proxy.media.wav import wav_bytes
-from tests.families.conftest import AUDIO_HOST, PER_AUDIO_S, MediaFactory
+from tests.support.media_stack import AUDIO_HOST, PER_AUDIO_S, MediaFactory, tone
 
 ASR = "/v2/audio/asr/engine"
 UNFETCHABLE = "the audio could not be fetched from this URL"
-
-
-def tone(seconds: float, rate: int = 16000) -> bytes:
-    samples = int(seconds * rate)
-    pcm = b"".join(int(8000 * math.sin(i / 7)).to_bytes(2, "little", signed=True)
-                   for i in range(samples))
-    return wav_bytes(pcm, rate)
 
 
 class StubResolver(AbstractResolver):

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from proxy.media.visual import probe_image, probe_video
-from tests.families.conftest import (
+from tests.support.media_stack import (
     ASR_MODEL,
     IMAGE_MODEL,
     PER_IMAGE,

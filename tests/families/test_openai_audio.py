@@ -11,8 +11,14 @@ import orjson
 import pytest
 
 from proxy.media.wav import wav_bytes
-from tests.families.conftest import ASR_MODEL, PER_AUDIO_S, TTS_MODEL, Media, MediaFactory
-from tests.families.test_tts import assert_speech_wav
+from tests.support.media_stack import (
+    ASR_MODEL,
+    PER_AUDIO_S,
+    TTS_MODEL,
+    Media,
+    MediaFactory,
+    assert_speech_wav,
+)
 
 
 def client(m: Media, key: str) -> openai.AsyncOpenAI:

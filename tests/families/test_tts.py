@@ -3,7 +3,6 @@ simulator (and the whisper one, to hear the speech back)."""
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import aiohttp
@@ -12,20 +11,16 @@ import pytest
 
 from proxy.config import VOICE_PRESETS
 from proxy.media.wav import read_wav, wav_bytes
-from tests.families.conftest import PER_1K_CHARS, PER_AUDIO_S, TTS_MODEL, MediaFactory
+from tests.support.media_stack import (
+    PER_1K_CHARS,
+    PER_AUDIO_S,
+    TTS_MODEL,
+    MediaFactory,
+    assert_speech_wav,
+)
 
 TTS = "/v2/audio/tts/engine"
 ASR = "/v2/audio/asr/engine"
-
-
-def assert_speech_wav(data: bytes) -> float:
-    """The spec's WAV: the canonical 44-byte header, 16-bit PCM, mono, 24 kHz. Its seconds."""
-    riff, size, wave, fmt, fmt_size, audio_format, channels, rate, byte_rate, align, bits, \
-        data_id, data_size = struct.unpack("<4sI4s4sIHHIIHH4sI", data[:44])
-    assert (riff, wave, fmt, fmt_size, data_id) == (b"RIFF", b"WAVE", b"fmt ", 16, b"data")
-    assert (audio_format, channels, rate, byte_rate, align, bits) == (1, 1, 24000, 48000, 2, 16)
-    assert size == 36 + data_size and data_size == len(data) - 44 and data_size % 2 == 0
-    return data_size / 48000
 
 
 async def test_presets_are_listed_to_guests_and_keys(media: MediaFactory) -> None:

@@ -9,9 +9,11 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-from tests.http.raw import connect, error_type, read_response
-from tests.test_pipeline import CHAT, HELLO, sim_requests
+from tests.support.chat import CHAT, HELLO
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.raw_http import connect, error_type, read_response
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 BODY = orjson.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 4})
 JSON_ROUTES = ["/v2/compat/v1/chat/completions", "/v2/served/v1/chat/completions",

@@ -18,9 +18,11 @@ from proxy.config import load_config
 from proxy.credits.ledger import Ledger
 from proxy.http.server import FD_HEADROOM, REQUEST_LINE_MAX, connection_cap
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled, write_config
-from tests.http.raw import connect, error_type, parse, read_response, read_until_closed
-from tests.test_pipeline import CHAT, HELLO, sim_requests
+from tests.support.chat import CHAT, HELLO
+from tests.support.config_files import MODEL, write_config
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.raw_http import connect, error_type, parse, read_response, read_until_closed
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 SLACK_S = 1.5  # scheduling noise on a loaded CI machine; the deadlines themselves are 1 s
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import free_port, write_config
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.support.config_files import write_config
+from tests.support.processes import free_port, wait_until_ready
 
 HEADER_TIMEOUT_S = 1.5
 SLACK_S = 2.0  # 300 sockets and a client in one test process on a shared CI machine

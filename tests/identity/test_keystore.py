@@ -25,7 +25,8 @@ from proxy.config import KeysPolicy, load_config
 from proxy.identity import apikeys
 from proxy.identity.keystore import KeyStore
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import free_port, write_config
+from tests.support.config_files import write_config
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST_RE = re.compile(r"[0-9a-f]{64}")

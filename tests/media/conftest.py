@@ -1,10 +1,10 @@
-"""Session fixtures: real encoder output (see encoded.py), one test per format."""
+"""Session fixtures: real encoder output (tests/support/encoded_media.py), one test per format."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.media.encoded import AUDIO_FORMATS, VIDEO_FORMATS, Encoded, audio_clip, videos_in
+from tests.support.encoded_media import AUDIO_FORMATS, VIDEO_FORMATS, Encoded, audio_clip, videos_in
 
 
 @pytest.fixture(scope="session", params=list(AUDIO_FORMATS))

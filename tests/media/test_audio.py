@@ -11,8 +11,8 @@ import pytest
 
 from proxy.media.audio import FORMATS, AudioInfo, NotAudio, probe, sniff
 from proxy.media.wav import wav_bytes
-from tests.media import builders as b
-from tests.media.encoded import (
+from tests.support import media_builders as b
+from tests.support.encoded_media import (
     TONE_RATE,
     TONE_SECONDS,
     Encoded,

@@ -10,8 +10,8 @@ import pytest
 
 from proxy.media.audio import decoded_length, probe
 from proxy.media.containers import Decoded
-from tests.media import builders as b
-from tests.media.encoded import AUDIO_FORMATS, audio_clip, encode_audio, encoder, read_audio
+from tests.support import media_builders as b
+from tests.support.encoded_media import AUDIO_FORMATS, audio_clip, encode_audio, encoder, read_audio
 
 DECODED_CODECS = {"ogg": "libopus", "webm": "libopus", "m4a": "aac"}
 

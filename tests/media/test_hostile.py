@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from proxy.media.audio import NotAudio, decoded_length, probe, sniff
 from proxy.media.visual import NotMedia, avi_bytes, png_bytes, probe_image, probe_video
 from proxy.media.wav import BadAudio, is_speech_wav, read_wav, to_speech_wav, wav_bytes
-from tests.media import builders as b
-from tests.media.encoded import audio_clip
+from tests.support import media_builders as b
+from tests.support.encoded_media import audio_clip
 
 VALID = [
     wav_bytes(bytes(400), 16000, channels=2), b.flac(), b.flac(id3=True), b.ogg_opus(),

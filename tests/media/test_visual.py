@@ -18,8 +18,8 @@ from proxy.media.visual import (
     probe_image,
     probe_video,
 )
-from tests.media import builders as b
-from tests.media.encoded import VIDEO_FRAMES, VIDEO_SECONDS, VIDEO_SIZE, Encoded, read_video
+from tests.support import media_builders as b
+from tests.support.encoded_media import VIDEO_FRAMES, VIDEO_SECONDS, VIDEO_SIZE, Encoded, read_video
 
 
 def gradient(x: int, y: int) -> tuple[int, int, int]:

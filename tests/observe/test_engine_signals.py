@@ -21,8 +21,8 @@ from proxy.upstream.fleet_state import POLL_S
 from proxy.upstream.pool import Backend
 from proxy.upstream.prober import FleetSync
 from proxy.upstream.signals import EngineSignals, parse_signals
-from tests.conftest import MODEL
-from tests.runtime.test_fleet import ADMIN, Stack
+from tests.support.config_files import MODEL
+from tests.support.fleet import ADMIN, Stack
 
 # As vLLM 0.32 writes them (shared/real-engines/vllm-metrics.txt), two models on one server.
 VLLM_TEXT = """\

@@ -21,14 +21,10 @@ from proxy.credits.ledger import Ledger
 from proxy.observe.access_log import BATCH_MAX, QUEUE_MAX, AccessLog
 from proxy.observe.metrics import Labels, Metrics
 from proxy.observe.trace import Trace
-from tests.conftest import (
-    GENEROUS_TIERS,
-    MODEL,
-    GatewayFactory,
-    SimulatorFactory,
-    new_key,
-    settled,
-)
+from tests.support.accounts import new_key
+from tests.support.config_files import GENEROUS_TIERS, MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory
 
 CHAT = "/v2/compat/v1/chat/completions"
 ROUTE = "/v2/compat/v1/chat/completions"  # the route template: this route has no parameters

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observe.metrics import FLUSH_S
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, free_port
-from tests.runtime.test_fleet import Stack
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.support.config_files import MODEL
+from tests.support.fleet import Stack
+from tests.support.processes import free_port, wait_until_ready
 
 CHAT = "/v2/compat/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -20,9 +20,11 @@ from proxy.app import build_app
 from proxy.config import load_config
 from proxy.identity import apikeys
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, new_key, write_config
-from tests.policy.test_tiers_and_limits import tiers
-from tests.test_pipeline import CHAT, HELLO, post, sim_requests
+from tests.support.accounts import new_key
+from tests.support.chat import CHAT, HELLO, post
+from tests.support.config_files import MODEL, tiers, write_config
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 BODY = {"model": MODEL, "messages": HELLO}
 CHAT_ROUTES = ["/v2/compat/v1/chat/completions", "/v2/served/v1/chat/completions",

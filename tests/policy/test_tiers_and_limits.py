@@ -17,10 +17,13 @@ from aiohttp.test_utils import TestServer
 from proxy.app import build_app
 from proxy.config import load_config
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, free_port, new_key, write_config
-from tests.test_pipeline import HELLO, post, sim_requests
+from tests.support.accounts import new_key
+from tests.support.chat import HELLO, post
+from tests.support.config_files import BIG, MODEL, tiers, write_config
+from tests.support.gateway import GatewayFactory
+from tests.support.processes import free_port
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
-BIG = "acme/gpt-oss-120b"
 SECRET = "s" * 48
 AUTH_JWT = """
 [jwt]
@@ -28,38 +31,6 @@ algorithms = ["HS256"]
 secret_env = "TEST_JWT_SECRET"
 issuer = "test-issuer"
 audience = "igw-test"
-"""
-
-
-def tiers(guest: int = 100, basic: int = 100, pro: int = 100, max_: int = 100,
-          guest_store_down: str = "open", basic_store_down: str = "closed") -> str:
-    return f"""
-[groups]
-large-chat = ["{BIG}"]
-
-[tiers.guest]
-requests_per_minute = {guest}
-families = ["chat"]
-models = {{ "*" = ["direct", "network"] }}
-max_tokens_per_request = 64
-store_down = "{guest_store_down}"
-fallback_requests_per_minute = 2
-
-[tiers.basic]
-requests_per_minute = {basic}
-families = ["chat", "tts", "asr"]
-models = {{ standard = ["direct", "network"] }}
-store_down = "{basic_store_down}"
-
-[tiers.pro]
-requests_per_minute = {pro}
-families = ["chat", "tts", "asr", "image"]
-models = {{ standard = ["direct", "network"], large-chat = ["direct"] }}
-
-[tiers.max]
-requests_per_minute = {max_}
-families = ["chat", "tts", "asr", "image", "video"]
-models = {{ standard = ["direct", "network"], large-chat = ["direct", "network"] }}
 """
 
 

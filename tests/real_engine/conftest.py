@@ -19,13 +19,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import free_port
-from tests.real_engine.engines import (
+from tests.support.processes import free_port
+from tests.support.real_engines import (
     MAX_MODEL_LEN,
-    SERVED,
     WHISPER_ARGS,
     WHISPER_SCRIPT,
-    WHISPER_SERVED,
     Engines,
     EngineSetupError,
     Replica,
@@ -107,18 +105,6 @@ def _asked_later(request: pytest.FixtureRequest, fixture: str) -> bool:
     except ValueError:
         return True
     return any(fixture in getattr(item, "fixturenames", ()) for item in later)
-
-
-def backend(replica: Replica, **extra: object) -> dict[str, object]:
-    """backends.toml's entry for a replica (as an operator writes it for a real vLLM)."""
-    return {"name": replica.name, "kind": "vllm", "url": replica.url, "models": [SERVED],
-            **extra}
-
-
-def whisper_backend(replica: Replica, **extra: object) -> dict[str, object]:
-    """backends.toml's entry for the Whisper replica (vLLM speaks the OpenAI audio wire)."""
-    return {"name": replica.name, "kind": "whisper", "api": "openai", "url": replica.url,
-            "models": [WHISPER_SERVED], **extra}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

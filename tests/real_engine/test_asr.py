@@ -23,12 +23,12 @@ from proxy.credits.ledger import Ledger
 from proxy.families.languages import LANGUAGES
 from proxy.simulators.speech import VLLM_LANGUAGES
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import GatewayFactory, toml_value
-from tests.families.conftest import AUDIO_HOST, Files, Media, audio_app, internal_app
-from tests.real_engine.audio import encoded, wav, wav_of_size
-from tests.real_engine.conftest import whisper_backend
-from tests.real_engine.engines import WHISPER_SERVED, Replica
-from tests.real_engine.scrape import scrape
+from tests.support.asr_audio import encoded, wav, wav_of_size
+from tests.support.config_files import toml_value
+from tests.support.gateway import GatewayFactory
+from tests.support.media_stack import AUDIO_HOST, Files, Media, audio_app, internal_app
+from tests.support.real_engines import WHISPER_SERVED, Replica, whisper_backend
+from tests.support.vllm_metrics import scrape
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(240, func_only=True)]
 

@@ -18,10 +18,10 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import SimulatorFactory
-from tests.real_engine.audio import encoded, silence, wav
-from tests.real_engine.engines import WHISPER_SERVED, Replica
-from tests.real_engine.test_fidelity import events, shape
+from tests.support.asr_audio import encoded, silence, wav
+from tests.support.fidelity import events, shape
+from tests.support.real_engines import WHISPER_SERVED, Replica
+from tests.support.upstreams import SimulatorFactory
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(240, func_only=True)]
 

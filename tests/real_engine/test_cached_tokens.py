@@ -11,10 +11,9 @@ import openai
 import pytest
 
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import GatewayFactory, settled
-from tests.credits.test_money import funded_key, journal
-from tests.real_engine.conftest import backend
-from tests.real_engine.engines import SERVED, Engines
+from tests.support.accounts import funded_key, journal
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.real_engines import SERVED, Engines, backend
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(240, func_only=True)]
 

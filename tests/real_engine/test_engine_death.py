@@ -17,10 +17,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
-from tests.conftest import GatewayFactory
-from tests.real_engine.conftest import backend
-from tests.real_engine.engines import SERVED, Engines
-from tests.real_engine.scrape import wait_idle
+from tests.support.gateway import GatewayFactory
+from tests.support.real_engines import SERVED, Engines, backend
+from tests.support.vllm_metrics import wait_idle
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.kills_engine,
               pytest.mark.timeout(240, func_only=True)]

@@ -15,9 +15,10 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import SimulatorFactory
-from tests.real_engine.engines import MAX_MODEL_LEN, SERVED, Engines, Replica
-from tests.real_engine.scrape import families, scrape
+from tests.support.fidelity import events, shape
+from tests.support.real_engines import MAX_MODEL_LEN, SERVED, Engines, Replica
+from tests.support.upstreams import SimulatorFactory
+from tests.support.vllm_metrics import families, scrape
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(240, func_only=True)]
 
@@ -36,21 +37,6 @@ NEEDED_METRICS = {
 }
 
 
-def shape(value: Any) -> Any:
-    """The structure a client parses: keys, and each value's JSON type (lists: the shapes
-    of their items, deduplicated, since lengths depend on sampled text)."""
-    if isinstance(value, dict):
-        return {key: shape(item) for key, item in value.items()}
-    if isinstance(value, list):
-        shapes: list[Any] = []
-        for item in value:
-            if shape(item) not in shapes:
-                shapes.append(shape(item))
-        return shapes
-    return "number" if isinstance(value, int | float) and not isinstance(value, bool) \
-        else type(value).__name__
-
-
 async def exchange(base: str, path: str, body: Any | None = None
                    ) -> tuple[int, dict[str, str], bytes]:
     async with aiohttp.ClientSession() as session:
@@ -58,14 +44,6 @@ async def exchange(base: str, path: str, body: Any | None = None
             else session.get(base + path)
         async with method as response:
             return response.status, dict(response.headers), await response.read()
-
-
-def events(raw: bytes) -> list[bytes]:
-    """SSE `data:` payloads, checking the framing on the way: `data: ` lines, blank-line ends."""
-    assert raw.endswith(b"\n\n")
-    frames = raw[:-2].split(b"\n\n")
-    assert all(f.startswith(b"data: ") and b"\n" not in f for f in frames), raw[:300]
-    return [f[6:] for f in frames]
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.real_engine import engines
+from tests.support import real_engines as engines
+from tests.support.processes import free_port
 
 
 @pytest.fixture

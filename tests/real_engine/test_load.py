@@ -14,11 +14,10 @@ from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import GatewayFactory, settled
-from tests.credits.test_money import funded_key, journal
-from tests.real_engine.conftest import backend
-from tests.real_engine.engines import SERVED, Engines, Replica
-from tests.real_engine.scrape import metrics, totals, wait_idle
+from tests.support.accounts import funded_key, journal
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.real_engines import SERVED, Engines, Replica, backend
+from tests.support.vllm_metrics import metrics, totals, wait_idle
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(240, func_only=True)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from proxy.store.redis_process import RedisProcess
-from tests.runtime.test_fleet import Stack
+from tests.support.fleet import Stack
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, SimulatorFactory, new_key
-from tests.runtime.test_fleet import Stack
-from tests.test_pipeline import sim_requests
+from tests.support.accounts import new_key
+from tests.support.config_files import MODEL
+from tests.support.fleet import Stack
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
 TIERS = """

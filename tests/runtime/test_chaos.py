@@ -16,8 +16,8 @@ import aiohttp
 import psutil
 
 from proxy.credits.ledger import Ledger
-from tests.conftest import MODEL
-from tests.runtime.test_embedded_redis import (
+from tests.support.config_files import MODEL
+from tests.support.embedded_redis import (
     PRICES,
     all_ready,
     cli,
@@ -26,7 +26,7 @@ from tests.runtime.test_embedded_redis import (
     new_funded_key,
     wait_readyz,
 )
-from tests.runtime.test_fleet import CHAT, Stack, settled_view, simulator
+from tests.support.fleet import CHAT, Stack, settled_view, simulator
 
 CLIENTS = 8
 LOAD_S = 12.0

@@ -7,66 +7,34 @@ Redis on unix sockets under the data dir, a supervised simulator, the operator C
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import psutil
 from multidict import CIMultiDict
-from redis.asyncio import Redis
 
 from proxy.credits.ledger import Balance, Ledger
 from proxy.store.client import connect_redis
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL
-from tests.runtime.test_fleet import CHAT, REPO, Stack, _cmdline, gone, simulator
+from tests.support.config_files import MODEL
+from tests.support.embedded_redis import (
+    PRICES,
+    all_ready,
+    cli,
+    embedded_redis,
+    ledger_client,
+    new_funded_key,
+    wait_readyz,
+)
+from tests.support.fleet import CHAT, Stack, simulator
 
 ACCOUNT = "acct-redis"
-# Prices that make every request cost something, so a lost write would show in the balance.
-PRICES = """
-version = "test-1"
-[default]
-prompt_per_1k_tokens = 1000
-completion_per_1k_tokens = 3000
-"""
 # Which /readyz check covers which server (named by its folder under the data dir).
 CHECKS = {"redis": "redis", "redis-limits": "rate_limit_redis"}
-
-
-def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    """`inference-gateway ...` on the running stack's embedded Redis, as an operator runs it."""
-    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_REDIS_URL"}
-    return subprocess.run([sys.executable, "-m", "proxy", *args, "--config", str(stack.folder)],
-                          capture_output=True, text=True, timeout=30, env=env, cwd=REPO)
-
-
-def new_funded_key(stack: Stack, account: str, credits: str) -> str:
-    created = cli(stack, "keys", "create", "--account", account, "--tier", "max")
-    assert created.returncode == 0, created.stderr
-    added = cli(stack, "credits", "add", "--account", account, "--amount", credits)
-    assert added.returncode == 0, added.stderr
-    return created.stdout.split()[0]
-
-
-def embedded_redis(stack: Stack, name: str) -> psutil.Process:
-    """The live redis-server serving data/<name>/redis.sock (its argv, or the process title
-    redis-server rewrites it to, names the socket)."""
-    sock = str(stack.data / name / "redis.sock")
-    found = [p for p in stack.tree()
-             if "redis-server" in _cmdline(p) and sock in _cmdline(p) and not gone(p)]
-    assert len(found) == 1, [_cmdline(p) for p in stack.tree()]
-    return found[0]
-
-
-def ledger_client(stack: Stack) -> Redis:
-    return Redis.from_url(f"unix://{stack.data / 'redis' / 'redis.sock'}")
 
 
 async def settled_balance(stack: Stack, account: str) -> Balance:
@@ -80,29 +48,6 @@ async def settled_balance(stack: Stack, account: str) -> Balance:
         return balance
     finally:
         await redis.aclose()
-
-
-async def wait_readyz(url: str, want: Callable[[int, dict[str, Any]], bool], *,
-                      within: float, in_a_row: int = 1) -> float:
-    """Seconds until `want(status, body)` held for `in_a_row` answers in a row. A fresh connection
-    each time, so that the kernel may hand each one to any worker."""
-    started = time.monotonic()
-    connector = aiohttp.TCPConnector(force_close=True)
-    timeouts = aiohttp.ClientTimeout(total=5)
-    seen: list[tuple[int, dict[str, Any]]] = []
-    async with aiohttp.ClientSession(connector=connector, timeout=timeouts) as session:
-        hits = 0
-        while hits < in_a_row:
-            assert time.monotonic() - started < within, seen[-5:]
-            async with session.get(url + "/readyz") as response:
-                seen.append((response.status, await response.json()))
-            hits = hits + 1 if want(*seen[-1]) else 0
-            await asyncio.sleep(0.02)
-    return time.monotonic() - started
-
-
-def all_ready(status: int, body: dict[str, Any]) -> bool:
-    return status == 200
 
 
 def freeze(proc: subprocess.Popen[bytes]) -> None:

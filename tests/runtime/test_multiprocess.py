@@ -17,9 +17,8 @@ import psutil
 import pytest
 
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, free_port, write_config
-from tests.policy.test_tiers_and_limits import tiers
-from tests.runtime.test_serve_cli import wait_until_ready
+from tests.support.config_files import MODEL, tiers, write_config
+from tests.support.processes import free_port, wait_until_ready
 
 CHAT = "/v2/compat/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

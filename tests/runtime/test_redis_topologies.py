@@ -1,5 +1,6 @@
-"""The test topologies in tests.redis_topologies are real: keys spread over a cluster's masters,
-and a SIGKILLed master (cluster or Sentinel) is replaced with its acknowledged writes intact."""
+"""The test topologies in tests.support.redis_topologies are real: keys spread over a cluster's
+masters, and a SIGKILLed master (cluster or Sentinel) is replaced with its acknowledged writes
+intact."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from tests.redis_topologies import ClusterProcesses, SentinelProcesses
+from tests.support.redis_topologies import ClusterProcesses, SentinelProcesses
 
 
 def addresses(url: str) -> list[tuple[str, int]]:

@@ -11,9 +11,9 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import MODEL, SimulatorFactory
-from tests.runtime.test_fleet import Stack
-from tests.test_pipeline import sim_requests
+from tests.support.config_files import MODEL
+from tests.support.fleet import Stack
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
 

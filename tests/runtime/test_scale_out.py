@@ -29,9 +29,10 @@ import pytest
 
 from proxy.credits.ledger import AccountKeys, Ledger
 from proxy.store.client import connect_redis
-from tests.conftest import MODEL, SimulatorFactory
-from tests.redis_topologies import ClusterProcesses, SentinelProcesses
-from tests.runtime.test_fleet import ADMIN, REPO, Stack
+from tests.support.config_files import MODEL
+from tests.support.fleet import ADMIN, REPO, Stack
+from tests.support.redis_topologies import ClusterProcesses, SentinelProcesses
+from tests.support.upstreams import SimulatorFactory
 
 CHAT = "/v2/compat/v1/chat/completions"
 BODY = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}

@@ -14,20 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, free_port, write_config
-
-
-def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "process exited during startup"
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not ready in {timeout} s")
+from tests.support.config_files import MODEL, write_config
+from tests.support.processes import free_port, wait_until_ready
 
 
 @pytest.fixture

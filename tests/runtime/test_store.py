@@ -17,8 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from proxy.store.client import Primaries, connect_redis, store_kind, url_problem
 from proxy.store.lease import Lease, lease_key
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import free_port
-from tests.runtime.test_fleet import REPO
+from tests.support.fleet import REPO
+from tests.support.processes import free_port
 
 
 def test_store_kinds() -> None:

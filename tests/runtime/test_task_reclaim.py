@@ -14,7 +14,7 @@ import aiohttp
 from redis.asyncio import Redis
 
 from proxy.tasks.store import GROUP, QUEUE
-from tests.runtime.test_fleet import BODY, CHAT, Stack, simulator
+from tests.support.fleet import BODY, CHAT, Stack, simulator
 
 
 async def test_a_killed_workers_task_completes_on_another(tmp_path: Path, stacks: list[Stack],

@@ -26,7 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.simulators import SimConfig, cli
 from proxy.simulators.kvcache import BlockPool, block_hashes, hittable_blocks
 from proxy.simulators.textgen import prompt_token_list, prompt_tokens
-from tests.conftest import MODEL, SimulatorFactory, free_port
+from tests.support.config_files import MODEL
+from tests.support.processes import free_port
+from tests.support.upstreams import SimulatorFactory
 
 Messages = list[dict[str, Any]]
 Metrics = dict[str, float]

@@ -32,7 +32,7 @@ from proxy.media.visual import probe_image, probe_video
 from proxy.media.wav import read_wav, wav_bytes
 from proxy.simulators import KINDS, MEDIA_KINDS, SimConfig, build_app, cli
 from proxy.simulators.speech import CSM_PRESETS, embed_text, read_text, segments
-from tests.media.encoded import AUDIO_FORMATS, audio_clip, read_audio
+from tests.support.encoded_media import AUDIO_FORMATS, audio_clip, read_audio
 
 Json = dict[str, Any]
 MakeClient = Callable[..., Awaitable[TestClient[Any, Any]]]

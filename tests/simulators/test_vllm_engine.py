@@ -13,7 +13,8 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import MODEL, SimulatorFactory
+from tests.support.config_files import MODEL
+from tests.support.upstreams import SimulatorFactory
 
 HELLO = [{"role": "user", "content": "Hello there"}]  # 4 + 2 tokens (the simulator's rule)
 

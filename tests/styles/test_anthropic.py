@@ -21,8 +21,9 @@ from proxy.http.sse import SSEDecoder
 from proxy.simulators.textgen import prompt_tokens
 from proxy.styles.anthropic import AnthropicEncoder, AnthropicStyle, to_message
 from proxy.validate import RequestInvalid
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-from tests.test_pipeline import PROBE_AGENT
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import PROBE_AGENT, SimulatorFactory
 
 ROUTE = "/v2/messages/v1/messages"
 HELLO: Any = [{"role": "user", "content": "Say hello to the world."}]

@@ -20,8 +20,9 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.simulators.textgen import prompt_tokens
 from proxy.styles.ollama import OllamaStyle
 from proxy.validate import RequestInvalid
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-from tests.test_pipeline import PROBE_AGENT
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import PROBE_AGENT, SimulatorFactory
 
 CHAT = "/v2/native/api/chat"
 HELLO = [{"role": "user", "content": "Say hello to the world."}]

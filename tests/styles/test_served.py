@@ -8,8 +8,10 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-from tests.test_pipeline import HELLO, sim_requests
+from tests.support.chat import HELLO
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 BIG = "acme/gpt-oss-120b"
 TOOLS = [{"type": "function", "function": {

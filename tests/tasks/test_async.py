@@ -12,17 +12,17 @@ import orjson
 import pytest
 
 from proxy.config import VOICE_PRESETS
-from tests.conftest import MODEL
-from tests.families.conftest import (
+from tests.support.config_files import MODEL
+from tests.support.media_stack import (
     ASR_MODEL,
     PER_1K_CHARS,
     PER_AUDIO_S,
     PER_IMAGE,
     Media,
     MediaFactory,
+    assert_speech_wav,
+    tone,
 )
-from tests.families.test_asr import tone
-from tests.families.test_tts import assert_speech_wav
 
 TTS, ASR = "/v2/audio/tts/engine", "/v2/audio/asr/engine"
 

@@ -14,7 +14,8 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
-from tests.conftest import new_key, settled
+from tests.support.accounts import new_key
+from tests.support.gateway import settled
 
 LARGE = "acme/gpt-oss-120b"
 CHAT = "/v2/compat/v1/chat/completions"

@@ -13,9 +13,11 @@ from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
 from proxy.upstream.prober import context_lengths
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory, settled
-from tests.credits.test_money import funded_key, journal
-from tests.test_pipeline import HELLO, sim_requests
+from tests.support.accounts import funded_key, journal
+from tests.support.chat import HELLO
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory, sim_requests
 
 CONTEXT = 64
 PRICES = """

@@ -19,12 +19,14 @@ from aiohttp.test_utils import TestServer
 
 from proxy.appkeys import ROUTER
 from proxy.config import BackendSpec
-from proxy.simulators.runtime import STATE
+from proxy.simulators.state import STATE
 from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend
 from proxy.upstream.prober import deep_probe, probe_session
-from tests.conftest import MODEL, GatewayFactory, SimulatorFactory
-from tests.test_pipeline import HELLO, PROBE_AGENT, post, sim_requests, sse_payloads
+from tests.support.chat import HELLO, post, sse_payloads
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory
+from tests.support.upstreams import PROBE_AGENT, SimulatorFactory, sim_requests
 
 
 def entry(name: str, sim: TestServer, weight: int = 1) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from proxy.upstream.health import Probe
 from proxy.upstream.pool import Backend, Pool, Router
 from proxy.upstream.quorum import FAILED, Verdict, decide, fingerprint, task_address
 from proxy.upstream.redundant import run_redundant
-from tests.conftest import SimulatorFactory
+from tests.support.upstreams import SimulatorFactory
 
 BIG = "acme/gpt-oss-120b"
 SMALL = "acme/small-chat"

@@ -8,7 +8,8 @@ Each replica is `serve-tiny.sh` exec'ing `vllm serve` in a new session, so its A
 EngineCore and worker share one process group and are stopped together (SIGTERM, grace,
 SIGKILL). A setup that fails raises `EngineSetupError` with the reason and the log's tail.
 The Whisper replica is the same, run by `serve-whisper.sh` (a second venv with vLLM's audio
-extras, and a tiny random Whisper).
+extras, and a tiny random Whisper). `backend()` and `whisper_backend()` are the backends.toml
+entries an operator writes for them. tests/real_engine/conftest.py holds the tier's fixtures.
 """
 
 from __future__ import annotations
@@ -202,3 +203,15 @@ class Engines:
     def stop(self) -> None:
         for replica in self.replicas:
             replica.stop()
+
+
+def backend(replica: Replica, **extra: object) -> dict[str, object]:
+    """backends.toml's entry for a replica (as an operator writes it for a real vLLM)."""
+    return {"name": replica.name, "kind": "vllm", "url": replica.url, "models": [SERVED],
+            **extra}
+
+
+def whisper_backend(replica: Replica, **extra: object) -> dict[str, object]:
+    """backends.toml's entry for the Whisper replica (vLLM speaks the OpenAI audio wire)."""
+    return {"name": replica.name, "kind": "whisper", "api": "openai", "url": replica.url,
+            "models": [WHISPER_SERVED], **extra}

@@ -1,6 +1,6 @@
 """Real encoder output, made in-process with PyAV (its wheels bundle FFmpeg and its codecs).
 
-The hand-built files in builders.py pin the parsers' edge cases; these are what real encoders
+The hand-built files in media_builders.py pin the parsers' edge cases; these are what real encoders
 write (LAME/Xing tags, edit lists, Opus pre-skip, Cues and SeekHeads...), so the probes are
 checked against FFmpeg's own muxers and, through PyAV's demuxers, against FFmpeg's readings.
 Everything is encoded once per session and kept in memory (a few dozen kilobytes);

@@ -1,9 +1,13 @@
-"""A gateway in front of the four media simulators (tts, whisper, image, video), an "audio host"
-that serves files for `audio_url` (on 127.0.0.2, the one private address the gateway's fetch
-policy allows) and an "internal" server on 127.0.0.1 that nothing may reach."""
+"""Fixture (a pytest plugin) `media`: a gateway in front of the four media simulators (tts,
+whisper, image, video), an "audio host" that serves files for `audio_url` (on 127.0.0.2, the one
+private address the gateway's fetch policy allows) and an "internal" server on 127.0.0.1 that
+nothing may reach. Also the media routes' prices and tiers, a WAV tone to send for ASR and the
+check of the WAV that TTS answers (tests/families, tests/tasks, the real-engine ASR tests)."""
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +20,12 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from proxy.credits.ledger import Ledger
+from proxy.media.wav import wav_bytes
 from proxy.store.redis_process import RedisProcess
-from tests.conftest import GatewayFactory, SimulatorFactory, new_key, settled, toml_value
+from tests.support.accounts import new_key
+from tests.support.config_files import toml_value
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.upstreams import SimulatorFactory
 
 TTS_MODEL, ASR_MODEL = "acme/csm-1b", "acme/large-v3"
 IMAGE_MODEL, VIDEO_MODEL = "acme/image-gen", "acme/video-gen"
@@ -129,6 +137,24 @@ def internal_app(seen: list[str]) -> web.Application:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", anything)
     return app
+
+
+def tone(seconds: float, rate: int = 16000) -> bytes:
+    """A 16-bit mono WAV of a tone, `seconds` long."""
+    samples = int(seconds * rate)
+    pcm = b"".join(int(8000 * math.sin(i / 7)).to_bytes(2, "little", signed=True)
+                   for i in range(samples))
+    return wav_bytes(pcm, rate)
+
+
+def assert_speech_wav(data: bytes) -> float:
+    """The spec's WAV: the canonical 44-byte header, 16-bit PCM, mono, 24 kHz. Its seconds."""
+    riff, size, wave, fmt, fmt_size, audio_format, channels, rate, byte_rate, align, bits, \
+        data_id, data_size = struct.unpack("<4sI4s4sIHHIIHH4sI", data[:44])
+    assert (riff, wave, fmt, fmt_size, data_id) == (b"RIFF", b"WAVE", b"fmt ", 16, b"data")
+    assert (audio_format, channels, rate, byte_rate, align, bits) == (1, 1, 24000, 48000, 2, 16)
+    assert size == 36 + data_size and data_size == len(data) - 44 and data_size % 2 == 0
+    return data_size / 48000
 
 
 MediaFactory = Callable[..., Awaitable[Media]]

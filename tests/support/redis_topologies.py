@@ -25,7 +25,7 @@ import redis
 from redis.exceptions import RedisError
 
 from proxy.store.redis_process import RedisProcess, _die_with_parent, redis_server_binary
-from tests.conftest import free_port
+from tests.support.processes import free_port
 
 HOST = "127.0.0.1"
 CLUSTER_SLOTS = 16384

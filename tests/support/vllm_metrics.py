@@ -7,7 +7,7 @@ import re
 
 import aiohttp
 
-from tests.real_engine.engines import Replica
+from tests.support.real_engines import Replica
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 

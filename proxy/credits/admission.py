@@ -35,7 +35,7 @@ from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Led
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
 from proxy.store.client import Primaries, Store, StoreBusy
-from proxy.store.script_pipe import ScriptPipes
+from proxy.store.script_pipe import SERVER_RUN, ScriptPipes
 
 log = logging.getLogger("proxy.credits.admission")
 
@@ -88,14 +88,14 @@ class Admitter:
         try:
             if principal.kind == "guest":
                 status, remaining, reset_ms, available = await self._guests.call(
-                    self._guest_admit, [keys.window(tier_name)], [limit, WINDOW_MS, "", 0, 0])
+                    self._guest_admit, [keys.window(tier_name)], [limit, WINDOW_MS, "", 0, 0, ""])
             else:
                 await self._index(principal.account)
                 status, remaining, reset_ms, available = await self._keyed.call(
                     self._admit,
                     [keys.window(tier_name), keys.balance, keys.holds, keys.hold_expiry],
                     [limit, WINDOW_MS, hold.hold_id if hold else "", hold.amount if hold else 0,
-                     hold.ttl_s if hold else 0])
+                     hold.ttl_s if hold else 0, SERVER_RUN])
         except StoreBusy:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is busy; try again shortly",
                                headers={"Retry-After": "1"}) from None

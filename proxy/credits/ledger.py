@@ -41,18 +41,29 @@ import orjson
 
 from proxy.ids import hex_id
 from proxy.store.client import Primaries, Store, wait_for_replicas
+from proxy.store.script_pipe import SERVER_RUN
 
 log = logging.getLogger("proxy.credits.ledger")
 
 ACCOUNTS = "igw:ledger:accounts"
+HOLDS_TAG = "@run"  # in an account's holds hash: the run id of the Redis that placed them
 Arg = bytes | str | int | float  # what a script's ARGV takes
 # Journal fields that are numbers; every other field is text, and `details` is a JSON object.
 _NUMBERS = frozenset({"held", "cost", "amount", "recovered"})
 
 
+# Scripts that touch holds begin with soft_state.lua: holds another Redis process placed are
+# forgotten before anything reads or changes them.
+_SOFT_STATE = frozenset({"admit", "settle", "sweep", "forget"})
+
+
 def lua_script(name: str) -> str:
     """A script from credits/lua/ (files, so they read as Lua and diff as Lua)."""
-    return (resources.files("proxy.credits") / "lua" / f"{name}.lua").read_text()
+    folder = resources.files("proxy.credits") / "lua"
+    source = (folder / f"{name}.lua").read_text()
+    if name in _SOFT_STATE:
+        source = (folder / "soft_state.lua").read_text() + "\n" + source
+    return source
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,7 @@ class Ledger:
         self.settle_script = redis.register_script(lua_script("settle"))
         self._credit = redis.register_script(lua_script("credit"))
         self._sweep = redis.register_script(lua_script("sweep"))
+        self._forget = redis.register_script(lua_script("forget"))
 
     async def credit(self, account: str, amount: int, details: Mapping[str, object]) -> int:
         """Top up (or adjust, when negative); journaled. Returns the new available balance."""
@@ -152,7 +164,7 @@ class Ledger:
         await self.redis.sadd(ACCOUNTS, account)
         status, _, _, available = await self.admit_script(
             keys=[keys.window("none"), keys.balance, keys.holds, keys.hold_expiry],
-            args=[0, 0, hold_id, amount, ttl_s])
+            args=[0, 0, hold_id, amount, ttl_s, ""])
         if status != 1:
             raise InsufficientCredits(int(available), amount)
         return hold_id
@@ -163,14 +175,22 @@ class Ledger:
         """End the hold: charge min(cost, held), release the rest, journal it. Exactly once:
         None when the hold had already ended (settled, released or swept). (Requests settle
         through `credits.settler`, batched; this is the same script, one call.)"""
-        keys, args = settle_call(account, hold_id, cost, 0, status, "", {}, details, keep, 0)
+        keys, args = settle_call(account, hold_id, cost, 0, status, "", {}, details, keep, 0,
+                                 run="")
         charged = await self.settle_script(keys=keys, args=args)
         return None if int(charged) < 0 else int(charged)
 
     async def close(self) -> None:
         await self.primaries.close()
 
+    async def forget_stale_holds(self, account: str) -> bool:
+        """Forget the account's holds if another Redis process placed them (a restart from a
+        snapshot that held them: lua/soft_state.lua); True if it did. Reads call it first."""
+        keys = AccountKeys.of(account)
+        return bool(await self._forget(keys=[keys.balance, keys.holds, keys.hold_expiry]))
+
     async def balance(self, account: str) -> Balance:
+        await self.forget_stale_holds(account)
         raw = _fields(await self.redis.hgetall(AccountKeys.of(account).balance))
         get = {k: int(v) for k, v in raw.items()}
         return Balance(get.get("available", 0), get.get("held", 0), get.get("spent", 0),
@@ -214,6 +234,7 @@ class Ledger:
 
     async def open_holds(self, account: str) -> dict[str, int]:
         """Open holds: hold id -> expiry (unix seconds)."""
+        await self.forget_stale_holds(account)
         rows = await self.redis.zrange(AccountKeys.of(account).hold_expiry, 0, -1,
                                        withscores=True)
         return {_text(row[0]): int(row[1]) for row in rows}
@@ -229,10 +250,12 @@ class Ledger:
 
     async def _reconcile_one(self, account: str, now: int) -> list[str]:
         keys = AccountKeys.of(account)
+        await self.forget_stale_holds(account)
         raw = {k: int(v) for k, v in _fields(await self.redis.hgetall(keys.balance)).items()}
         bal = Balance(raw.get("available", 0), raw.get("held", 0), raw.get("spent", 0),
                       raw.get("credited", 0))
         holds = _fields(await self.redis.hgetall(keys.holds))
+        holds.pop(HOLDS_TAG, None)  # the run id the holds were placed under, not a hold
         expiries = await self.open_holds(account)
         entries = await self.all_entries(account)
         credited = raw.get("trimmed_credited", 0) + sum(
@@ -266,11 +289,13 @@ class Ledger:
 
 def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, model: str,
                 units: Mapping[str, int], details: Mapping[str, object], keep: int,
-                ttl_s: int) -> tuple[list[str], list[Arg]]:
+                ttl_s: int, *, run: object = SERVER_RUN) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of one settle script call (see lua/settle.lua); `units` are what the
-    running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...)."""
+    running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...);
+    `run`: the run id of the Redis it goes to (the pipe's, by default; "" to ask the server)."""
     keys = AccountKeys.of(account)
-    args: list[Arg] = [hold_id, cost, held, status, model, orjson.dumps(details), keep, ttl_s]
+    args: list[Any] = [hold_id, cost, held, status, model, orjson.dumps(details), keep, ttl_s,
+                       run]
     for unit, count in units.items():
         args += (unit, count)
     return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended],

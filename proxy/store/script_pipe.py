@@ -17,6 +17,12 @@ every call in flight on it with the error, and the next call connects afresh: ca
 that as the store being unreachable. A caller that is cancelled while waiting does not stop its
 command: whoever cancels must assume it ran (see `ChatMeter` and its stages).
 
+Each connection learns the run id of the Redis process it reached (`INFO server`, once, after the
+handshake): a command may carry `SERVER_RUN` among its arguments, sent as that run id. A Redis
+that restarted, or a replica promoted in its place, is a new process on a new connection, so the
+id a command carries is always that of the server that runs it (the ledger tags soft state with
+it: proxy.credits.lua).
+
 `ScriptPipes` keeps one pipe per primary (runtime.store.Primaries) and sends each call to the one
 holding its first key. With a Cluster or Sentinels, a call that meets a moved slot or a lost
 primary looks the primary up again and is sent again (twice at most, 0.1 s then 0.3 s later): a
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -52,6 +59,17 @@ from proxy.store.client import Primaries
 
 REPLY_TIMEOUT_S = 2.0
 _PENDING = object()  # hiredis' answer while a reply is still incomplete
+_RUN_ID = re.compile(rb"run_id:([0-9a-f]+)")
+
+
+class _ServerRun:
+    """Stands among a command's arguments for the run id of the server that runs it."""
+
+    def __repr__(self) -> str:
+        return "SERVER_RUN"
+
+
+SERVER_RUN = _ServerRun()
 
 
 def resp_command(args: Sequence[Any]) -> bytes:
@@ -101,7 +119,9 @@ class ScriptPipe:
         link = self._link
         if link is None or not link.open:
             link = await self._connect()
-        return link.send(b"".join(resp_command(command) for command in commands), len(commands))
+        return link.send(b"".join(resp_command(
+            [link.run if arg is SERVER_RUN else arg for arg in command] if SERVER_RUN in command
+            else command) for command in commands), len(commands))
 
     async def _connect(self) -> _Link:
         async with self._connecting:
@@ -110,10 +130,16 @@ class ScriptPipe:
                 try:  # the handshake is a reply like any other: bounded alike
                     async with asyncio.timeout(REPLY_TIMEOUT_S):
                         await conn.connect()  # type: ignore[no-untyped-call]
+                        await conn.send_command("INFO", "server")
+                        info = await conn.read_response()
                 except TimeoutError:
                     await conn.disconnect(nowait=True)
                     raise RedisTimeoutError("no answer from Redis while connecting") from None
-                self._link = _Link(conn, self._disconnect)
+                found = _RUN_ID.search(info if isinstance(info, bytes) else str(info).encode())
+                if found is None:
+                    await conn.disconnect(nowait=True)
+                    raise InvalidResponse("INFO server named no run_id")
+                self._link = _Link(conn, self._disconnect, found[1])
             return self._link
 
     def _disconnect(self, conn: AbstractConnection) -> None:
@@ -136,8 +162,9 @@ class _Link(asyncio.Protocol):
     """One connection after its handshake: the protocol of its transport from then on."""
 
     def __init__(self, conn: AbstractConnection,
-                 disconnect: Callable[[AbstractConnection], None]) -> None:
+                 disconnect: Callable[[AbstractConnection], None], run: bytes) -> None:
         self.open = True
+        self.run = run  # the run id of the Redis process at the other end
         self._conn = conn
         self._disconnect = disconnect
         self._loop = asyncio.get_running_loop()

@@ -358,7 +358,8 @@ async def test_holds_are_soft_state_and_charges_survive_a_crash(tmp_path: Any) -
         # The running request finishes: its hold is gone, so it is charged from what is
         # available, never more than it held; a retry of that settlement charges nothing.
         keys, args = settle_call("acme", running, 120, 300, "completed", MODEL,
-                                 {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0)
+                                 {"prompt_tokens": 1, "completion_tokens": 2}, {}, 100, 0,
+                                 run="")  # not through a pipe: the script asks the server
         assert await ledger.settle_script(keys=keys, args=args) == 120
         assert await ledger.settle_script(keys=keys, args=args) == -1
         [entry] = [e for e in await ledger.all_entries("acme") if e.get("hold") == running]

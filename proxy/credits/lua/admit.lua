@@ -8,10 +8,19 @@
 -- was running then finds no hold to settle and goes free (never an over-spend). What moved money
 -- (settle.lua, credit.lua) is persisted.
 --
+-- Holds are tagged with this Redis process's run id, and those another process placed are
+-- forgotten first (soft_state.lua, prepended).
+--
 -- KEYS: window zset, balance hash, holds hash, hold expiry zset (all under the account's tag)
--- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s
+-- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s, this Redis
+--   process's run id (the connection's; '' to ask the server)
 -- Returns {status, remaining, reset ms, available}: status 1 admitted, 0 rate limited,
 --   2 insufficient credits, 3 hold id already used. remaining is -1 without a limit.
+local run, holds
+if ARGV[3] ~= '' then
+  run = this_run(ARGV[6])
+  holds = forget_stale_holds(KEYS[2], KEYS[3], KEYS[4], run)
+end
 redis.set_repl(redis.REPL_NONE)
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -47,4 +56,5 @@ if left < 0 then
 end
 redis.call('HINCRBY', KEYS[2], 'held', ARGV[4])
 redis.call('ZADD', KEYS[4], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
+if holds ~= 'kept' then redis.call('HSET', KEYS[3], '@run', run) end  -- the first hold here
 return {1, remaining, reset, left}

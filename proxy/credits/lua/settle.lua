@@ -8,10 +8,14 @@
 -- then ran on money that was reserved, and is charged from what is available, never more than
 -- it held (`recovered` in the journal).
 --
+-- Holds another Redis process placed are forgotten first (soft_state.lua, prepended): a
+-- request that was running when Redis restarted goes the "forgotten by a restart" way.
+--
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset
 -- ARGV: hold id ('' for none), cost, amount held, status, model, details (JSON), journal
---       entries kept, journal ttl s (0: none), then pairs of (usage unit, count) that the
---       running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...)
+--       entries kept, journal ttl s (0: none), this Redis process's run id (the connection's;
+--       '' to ask the server), then pairs of (usage unit, count) that the running totals add
+--       up (prompt_tokens, completion_tokens, characters, audio_ms, ...)
 -- Returns the charge, or -1 when there was nothing to do (the hold had already ended).
 --
 -- Figures go to redis.call as the strings they came in where they can: Lua turns a number into
@@ -21,6 +25,7 @@ local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'
 local recovered = '0'
 if ARGV[1] ~= '' then
+  forget_stale_holds(KEYS[1], KEYS[2], KEYS[3], this_run(ARGV[9]))
   held = redis.call('HGET', KEYS[2], ARGV[1])  -- a hold still there has not ended
   if not held then
     if redis.call('ZSCORE', KEYS[6], ARGV[1]) then return -1 end
@@ -79,7 +84,7 @@ else
   if ARGV[5] ~= '' then scopes[2] = 'm|' .. ARGV[5] .. '|' end
   for _, scope in ipairs(scopes) do
     redis.call('HINCRBY', KEYS[5], scope .. 'requests', '1')
-    for i = 9, #ARGV - 1, 2 do
+    for i = 10, #ARGV - 1, 2 do
       redis.call('HINCRBY', KEYS[5], scope .. ARGV[i], ARGV[i + 1])
     end
     redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge_text)

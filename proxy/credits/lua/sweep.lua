@@ -1,8 +1,12 @@
 -- Release every hold whose expiry has passed on Redis' clock (a crashed worker's), journaled.
 -- Holds are soft state (see admit.lua): the release is not persisted, its journal entry is.
+-- Holds another Redis process placed are forgotten instead (soft_state.lua, prepended): they
+-- are not this process's to journal.
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, ended zset. ARGV: none.
 local now = redis.call('TIME')
 local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now[1])
+if #due == 0 then return 0 end
+if forget_stale_holds(KEYS[1], KEYS[2], KEYS[3], this_run('')) == 'forgotten' then return 0 end
 for _, id in ipairs(due) do
   local held = redis.call('HGET', KEYS[2], id)
   redis.set_repl(redis.REPL_NONE)

@@ -17,11 +17,12 @@ from jwt.types import Options
 
 from proxy.config import JwtPolicy
 from proxy.config.jwt_keys import PublicKey, check_jwt_policy, load_jwt_keys
+from proxy.identity.principal import ACCOUNT_PATTERN
 
 __all__ = ["InvalidToken", "JwtVerifier", "TokenClaims", "check_jwt_policy", "looks_like_jwt"]
 
 _MAX_TOKEN_CHARS = 8192  # bounds the parsing work an unauthenticated caller can ask for
-_MAX_ACCOUNT_CHARS = 256  # the account ends up in Redis keys and logs
+_ACCOUNT_RE = re.compile(ACCOUNT_PATTERN)  # the account ends up in Redis keys and logs
 _JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 
 # Public reasons only: pyjwt's own messages can quote header values the caller chose.
@@ -117,8 +118,10 @@ class JwtVerifier:
         account = payload.get(p.account_claim)
         if not isinstance(account, str) or not account:
             raise InvalidToken(f"missing claim {p.account_claim!r}")
-        if len(account) > _MAX_ACCOUNT_CHARS:
-            raise InvalidToken(f"bad claim {p.account_claim!r}")
+        # An account name as keys have them: no ':' (a guest is "guest:<address>", so no token
+        # can speak for one), nothing that could split a Redis key or a log line.
+        if not _ACCOUNT_RE.fullmatch(account):
+            raise InvalidToken(f"bad claim {p.account_claim!r}: not an account name")
         return TokenClaims(account=account, tier=_optional_str(payload, p.tier_claim),
                            role=_optional_str(payload, p.role_claim),
                            token_id=_optional_str(payload, "jti"))

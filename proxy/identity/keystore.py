@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 
 from proxy.config import KeysPolicy
 from proxy.identity import apikeys
+from proxy.identity.principal import ACCOUNT_PATTERN
 from proxy.store.client import Store, listener_client
 
 __all__ = ["ACCOUNT_PATTERN", "REVOCATIONS", "AccountView", "KeyRecord", "KeyStore"]
@@ -50,8 +51,6 @@ REVOCATIONS: Final = "igw:revocations"
 ACCOUNTS: Final = "igw:accounts"
 SEAL_SECRET: Final = "igw:keys:seal"
 SEAL_RETRY_S: Final = 10.0  # a store that could not read the secret tries again this often
-# No ':' so an account can never be mistaken for a guest ("guest:<address>") or split a key name.
-ACCOUNT_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
 LABEL_MAX: Final = 200
 _ACCOUNT_RE: Final = re.compile(ACCOUNT_PATTERN)
 _CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")  # labels are printed in terminals

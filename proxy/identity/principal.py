@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 PrincipalKind = Literal["key", "jwt", "guest"]
+# What an account may be called, by a key's record or a token's claim. No ':', so an account can
+# never be mistaken for a guest ("guest:<address>") or split a Redis key or a log line.
+ACCOUNT_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,7 +260,12 @@ def test_algorithm_not_pinned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 @pytest.mark.parametrize("payload, reason", [
     ({"sub": None}, "missing claim 'sub'"),
     ({"sub": ""}, "missing claim 'sub'"),
-    ({"sub": "a" * 300}, "bad claim 'sub'"),
+    ({"sub": "a" * 300}, "bad claim 'sub': not an account name"),
+    # A guest's account, and names that would split a Redis key or a log line: never accounts.
+    ({"sub": "guest:127.0.0.1"}, "bad claim 'sub': not an account name"),
+    ({"sub": "alice}:task:x"}, "bad claim 'sub': not an account name"),
+    ({"sub": "<script>"}, "bad claim 'sub': not an account name"),
+    ({"sub": "a" * 65}, "bad claim 'sub': not an account name"),
     ({"tier": 3}, "bad claim 'tier'"),
     ({"role": ["admin"]}, "bad claim 'role'"),
 ])

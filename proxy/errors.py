@@ -46,6 +46,7 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = (503, "unavailable")
     POOL_SATURATED = (503, "pool_saturated")
     UPSTREAM_TIMEOUT = (504, "upstream_timeout")
+    HTTP_VERSION_NOT_SUPPORTED = (505, "http_version_not_supported")
 
     @property
     def status(self) -> int:

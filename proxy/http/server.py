@@ -15,7 +15,10 @@ backends.toml, proxy.config.ServerSection):
     write_timeout_s      a connection whose writes stay blocked this long (the client reads
                          nothing) is cut; the handler is cancelled as for a client that left
     max_connections      per worker; beyond it a connection gets 503 and is closed unserved
-    malformed requests   (aiohttp's parser errors) JSON in the documented shape, nothing echoed
+    malformed requests   (aiohttp's parser errors) JSON in the documented shape, nothing echoed;
+                         a head over MAX_HEAD_BYTES in all (431) and an HTTP version other than
+                         1.0 and 1.1 (505: HTTP/2.0 and 0.9 request lines parse, but are not
+                         what they say) are refused alike, before the application
     Expect               taken from aiohttp (`expect_later`): 100 Continue when the body is
                          read, other expectations ignored
 
@@ -33,7 +36,7 @@ from http import HTTPStatus
 from typing import Any, cast
 
 from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion11
+from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
@@ -50,6 +53,11 @@ Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 # LineTooLong, and the limit it names tells a long URL (414) from a long header (431).
 REQUEST_LINE_MAX = 8192
 HEADER_LINE_MAX = 8190  # aiohttp's default
+# The whole head: request line and every header line (128 of 8,190 bytes would be ~1 MB).
+MAX_HEAD_BYTES = 64 * 1024
+HTTP_VERSIONS = frozenset({HttpVersion10, HttpVersion11})
+# A request refused before the application sees it (set by `checked_requests`).
+REFUSED = web.RequestKey("refused", GatewayError)
 # File descriptors a worker keeps for itself (listening socket, Redis, logs, probes), besides
 # client and upstream connections, when max_connections is fitted under the open-file limit.
 FD_HEADROOM = 256
@@ -69,6 +77,8 @@ def raw_response(error: GatewayError) -> bytes:
 
 
 _HEAD_TIMEOUT = GatewayError(ErrorKind.REQUEST_TIMEOUT, "the request head did not arrive in time")
+_HEAD_TOO_LARGE = GatewayError(ErrorKind.HEADERS_TOO_LARGE,
+                               f"the request head is larger than {MAX_HEAD_BYTES} bytes")
 _SHED = GatewayError(ErrorKind.UNAVAILABLE,
                      "the gateway is at its connection limit; retry shortly",
                      headers={"Retry-After": "1"})
@@ -93,13 +103,15 @@ def refusal(exc: BaseException | None) -> GatewayError:
 class GatewayProtocol(RequestHandler):
     """One client connection: aiohttp's handler plus the deadlines, the cap and JSON refusals."""
 
-    __slots__ = ("_gateway", "_head_started", "_head_timer", "_shed", "_write_timer")
+    __slots__ = ("_gateway", "_head_bytes", "_head_started", "_head_timer", "_shed",
+                 "_write_timer")
 
     def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._gateway = manager
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False  # bytes of the awaited head have arrived
+        self._head_bytes = 0  # how many, while it is incomplete
         self._write_timer: asyncio.TimerHandle | None = None
         self._shed = False
 
@@ -130,13 +142,23 @@ class GatewayProtocol(RequestHandler):
                 self._head_timer.cancel()
                 self._head_timer = None
             self._head_started = False
+            self._head_bytes = 0
         elif next_head:
             # The start of the next request on a kept-alive connection, not all of its head
             # (a whole head in one read, the usual case, costs no timer).
             self._head_started = True
+            self._head_bytes = len(data)
             self._arm_head_deadline()
         elif data and self._head_timer is not None:
             self._head_started = True
+            self._head_bytes += len(data)
+        if self._head_bytes > MAX_HEAD_BYTES and self.transport is not None:
+            # Arriving in pieces, the head is refused before the parser buffers any more of it
+            # (one that came whole is refused by `checked_requests`).
+            self.transport.write(raw_response(_HEAD_TOO_LARGE))
+            self._head_bytes = 0
+            self.force_close()
+            self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -248,11 +270,34 @@ class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # the app's startup, then aiohttp's own Server
         return GatewayServer(
-            expect_later(plain.request_handler), request_factory=plain.request_factory,
+            expect_later(plain.request_handler),
+            request_factory=checked_requests(plain.request_factory),
             handler_cancellation=plain.handler_cancellation, settings=self.settings,
             max_connections=self.max_connections,
             **plain._kwargs,  # the connection options AppRunner assembled (timeouts, logging)
         )
+
+
+def checked_requests(make: Callable[..., web.BaseRequest]) -> Callable[..., web.BaseRequest]:
+    """aiohttp's request factory, refusing (REFUSED, answered by `expect_later`'s handler) an
+    HTTP version other than 1.0 and 1.1 (its answer goes out as HTTP/1.1, not in the version
+    the client claimed) and a head larger than MAX_HEAD_BYTES in all."""
+
+    def factory(message: RawRequestMessage, *args: Any, **kwargs: Any) -> web.BaseRequest:
+        refused = None
+        if message.version not in HTTP_VERSIONS:
+            refused = GatewayError(ErrorKind.HTTP_VERSION_NOT_SUPPORTED,
+                                   "this server speaks HTTP/1.1 (and 1.0)")
+            message = message._replace(version=HttpVersion11)
+        elif len(message.path) + sum(len(k) + len(v) + 4 for k, v in message.raw_headers) \
+                > MAX_HEAD_BYTES:
+            refused = _HEAD_TOO_LARGE
+        request = make(message, *args, **kwargs)
+        if refused is not None:
+            request[REFUSED] = refused
+        return request
+
+    return factory
 
 
 def expect_later(handle: Handler) -> Handler:
@@ -264,10 +309,20 @@ def expect_later(handle: Handler) -> Handler:
     does the same)."""
 
     def handler(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        refused = request.get(REFUSED)
+        if refused is not None:
+            return refusing(refused)
         expect = request.headers.get(hdrs.EXPECT)
         if expect is None:
             return handle(request)  # the app's own coroutine: nothing added on the usual path
         return expecting(request, expect)
+
+    async def refusing(error: GatewayError) -> web.StreamResponse:
+        response = web.Response(status=error.status, body=error.json(),
+                                content_type="application/json",
+                                headers={"X-Request-Id": hex_id()})
+        response.force_close()
+        return response
 
     async def expecting(request: web.BaseRequest, expect: str) -> web.StreamResponse:
         headers = request.headers.copy()

@@ -203,6 +203,18 @@ BAD_REQUESTS = [
     ("too many headers", b"GET / HTTP/1.1\r\nHost: gw\r\n"
      + b"".join(b"X-%d: " % i + CANARY + b"\r\n" for i in range(200)) + b"\r\n",
      431, "headers_too_large"),
+    # Each line within its limit, ~1 MB in all: the whole head is capped too (64 KiB).
+    ("a head of 120 long headers", b"GET / HTTP/1.1\r\nHost: gw\r\n"
+     + b"".join(b"X-%d: " % i + CANARY * (8000 // len(CANARY)) + b"\r\n" for i in range(120))
+     + b"\r\n", 431, "headers_too_large"),
+    ("a head of nine long headers", b"GET / HTTP/1.1\r\nHost: gw\r\n"
+     + b"".join(b"X-%d: " % i + CANARY * (8000 // len(CANARY)) + b"\r\n" for i in range(9))
+     + b"\r\n", 431, "headers_too_large"),
+    # Versions that parse but are not HTTP/1.x: refused, never answered "HTTP/2.0 200 OK".
+    ("HTTP/2.0", b"GET /v2/models HTTP/2.0\r\nHost: gw\r\nX-C: " + CANARY + b"\r\n\r\n",
+     505, "http_version_not_supported"),
+    ("HTTP/0.9", b"GET /v2/models HTTP/0.9\r\nX-C: " + CANARY + b"\r\n\r\n", 505,
+     "http_version_not_supported"),
 ]
 
 
@@ -217,6 +229,8 @@ async def test_malformed_requests_get_json_and_echo_nothing(
     answer = await asyncio.wait_for(read_until_closed(reader), 5)  # and the connection closes
     writer.close()
     got_status, headers, body = parse(answer)
+    if status == 505:
+        assert answer.startswith(b"HTTP/1.1 505 ")  # not in the version the client claimed
     assert (got_status, headers["content-type"]) == (status, "application/json")
     assert error_type(body) == kind
     assert CANARY.lower() not in answer.lower()

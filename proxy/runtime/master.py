@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -245,15 +246,21 @@ def app_models(config: Config) -> list[str]:
 
 
 def _port_problem(host: str, port: int) -> str | None:
-    """Why the workers could not bind host:port, found before anything starts (else None)."""
+    """Why the workers should not bind host:port, found before anything starts (else None).
+
+    Without SO_REUSEPORT: the workers share the port with each other, never with another
+    process. A second gateway on the same address would otherwise take half the connections,
+    silently (its own Redis, its own keys and limits)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
             sock.bind(address)
     except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return ("another process is already listening there (a gateway already running? "
+                    "stop it, or choose another --port)")
         return exc.strerror or type(exc).__name__
     return None
 

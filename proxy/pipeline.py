@@ -102,7 +102,8 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     router = app[ROUTER]
     try:
         raw = await read_capped(request, policies.requests.chat.max_body_bytes)
-        call = chat_family.parsed_call(style, parse_json_object(raw))
+        body = parse_json_object(raw)
+        call = chat_family.parsed_call(style, body)
         mode = choose_mode(router, "chat", call.model, call.mode, stream=call.stream)
         router.require("chat", call.model)  # 404: no such chat model, before access
         request[TRACE].model = call.model
@@ -112,7 +113,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         context = pool.context_limit()  # the engines' own limit (read by the prober)
         chat_family.check_context(call, context)
         cap = completion_cap(tier, principal.tier, call.max_tokens)
-        claim = idempotency.claim_for(principal.account, style.name, request.headers, raw)
+        claim = idempotency.claim_for(principal.account, style.name, request.headers, body)
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
@@ -135,8 +136,9 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
         task_id = ids.task_id(mode)
         if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
-            return await submit(ctx, app[TASKS], meter, route=f"chat:{style.name}", body=raw,
-                                params={}, task_id=task_id, mode=mode, cap=cap)
+            response = await submit(ctx, app[TASKS], meter, route=f"chat:{style.name}",
+                                    body=raw, params={}, task_id=task_id, mode=mode, cap=cap)
+            return response
         result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
         headers = _reply_headers(request, task_id)
         if mode == "network":  # on several backends, the answer a quorum agrees on
@@ -196,6 +198,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
             check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                          mode=mode)
         _push_back(pool, tier, principal.tier)
+        claim = idempotency.claim_for(principal.account, request.path, request.headers, body)
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
@@ -204,13 +207,21 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     meter = app[METERING].units(policies.prices, principal, pool.model, mode, family.name,
                                 ctx.request_id, job.worst)
     result = Result()
-    try:  # entered before the first await that can place a hold
+    response: web.StreamResponse | None = None
+    claimed = False
+    try:  # entered before the first await that can place a hold or a claim
+        if claim is not None:
+            replay = await _acquire(request, claim, principal, tier)
+            if replay is not None:
+                return replay  # the first result again: nothing run, nothing held
+            claimed = True
         request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
         task_id = ids.task_id(mode)
         if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
-            return await submit(ctx, app[TASKS], meter, route=family.name,
-                                body=orjson.dumps(body), params=dict(request.match_info),
-                                task_id=task_id, mode=mode)
+            response = await submit(ctx, app[TASKS], meter, route=family.name,
+                                    body=orjson.dumps(body), params=dict(request.match_info),
+                                    task_id=task_id, mode=mode)
+            return response
         result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
         headers = _reply_headers(request, task_id)
         if mode == "network":  # speech, so far: the audio a quorum agrees on
@@ -218,9 +229,11 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
                 ctx, app[TASKS], principal.account, family, job, pool,
                 lambda answer: {"content_type": answer.content_type, "bytes": len(answer.body)})
             result.answered(used=answer.used)
-            return await send_whole(request, web.Response(body=answer.body, headers={
+            response = await send_whole(request, web.Response(body=answer.body, headers={
                 **headers, **answer.headers, "Content-Type": answer.content_type}), result)
-        return await family.run(request, ctx, job, pool, result, headers)
+        else:
+            response = await family.run(request, ctx, job, pool, result, headers)
+        return response
     except GatewayError as exc:
         result.failed(exc)
         raise
@@ -229,6 +242,8 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         raise
     finally:
         _settle(request, meter, result)
+        if claimed and claim is not None:
+            _keep_or_release(request, claim, result, response)
 
 
 async def queued(app: web.Application, routes: Mapping[str, Runnable], account: str,
@@ -318,7 +333,8 @@ def _keep_or_release(request: web.Request, claim: idempotency.Claim, result: Res
     """Queued after the settlement: keep a completed result for retries, else give the key
     back (nothing was charged, so a retry runs for real)."""
     settler = request.app[SETTLER]
-    if response is None or result.status != Outcome.COMPLETED:
+    handed_off = response is not None and response.status == 202  # a task: its 202 is kept
+    if response is None or (result.status != Outcome.COMPLETED and not handed_off):
         settler.add(claim.key, claim.release())
     elif isinstance(response, web.Response) and isinstance(response.body, bytes):
         settler.add(claim.key, claim.store(response.status, response.content_type,

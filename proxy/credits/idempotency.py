@@ -9,10 +9,14 @@ for 24 hours. For the same caller and key:
 - same body, first one still running: 409, retry later;
 - a different body: 422, the key was already used for another request.
 
-A first request that fails (no backend, upstream error, 4xx), or whose result cannot be kept,
-gives its claim back, so a retry runs for real: nothing was charged for it (see metering). Keys
-are scoped to the caller's account. The claim is known (`Claim.key`) before it is made, so a
-request cancelled while claiming still gives it back.
+A first request that fails (no backend, upstream error, 4xx) gives its claim back, so a retry
+runs for real: nothing was charged for it (see metering). One whose answer is too large to keep
+(`MAX_STORED_BYTES`) keeps its claim without the answer: a retry is told so (409), never run and
+charged again. Keys are scoped to the caller's account. The claim is known (`Claim.key`) before it
+is made, so a request cancelled while claiming still gives it back.
+
+The same request is the same route and the same parsed body: keys in another order, other
+whitespace, are the same request (`canonical`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import ErrorKind, GatewayError
+from proxy.http.body import Form
 from proxy.ids import hex_id
 from proxy.store.client import Store
 
@@ -64,6 +69,10 @@ class Claim:
                 raise _invalid("was already used with a different request")
             if record.get("owner") == self.owner:
                 return None  # our own claim: the first SET NX ran, its reply was lost
+            if record.get("too_large"):
+                raise GatewayError(ErrorKind.CONFLICT, "a request with this Idempotency-Key "
+                                   "already completed; its answer was too large to keep for "
+                                   "a replay", headers={"Idempotent-Replayed": "true"})
             if "status" in record:
                 return web.Response(status=record["status"], body=body, headers={
                     "Content-Type": record["content_type"], "Idempotent-Replayed": "true"})
@@ -73,11 +82,12 @@ class Claim:
 
     def store(self, status: int, content_type: str, body: bytes) -> tuple[str | bytes | int, ...]:
         """The command that keeps the result for retries (queued after the settlement); too
-        large to keep: the one that gives the key back."""
+        large to keep: that it completed, without the answer."""
+        record: dict[str, object] = {"fingerprint": self.fingerprint, "status": status,
+                                     "content_type": content_type}
         if len(body) > MAX_STORED_BYTES:
-            return self.release()
-        record = {"fingerprint": self.fingerprint, "status": status,
-                  "content_type": content_type}
+            record["too_large"] = True
+            body = b""
         return ("SET", self.key, orjson.dumps(record) + b"\n" + body, "EX", TTL_S)
 
     def release(self) -> tuple[str, ...]:
@@ -85,7 +95,8 @@ class Claim:
         return ("DEL", self.key)
 
 
-def claim_for(account: str, route: str, headers: Mapping[str, str], raw: bytes) -> Claim | None:
+def claim_for(account: str, route: str, headers: Mapping[str, str], body: object
+              ) -> Claim | None:
     """The request's claim (not yet made), or None without the header. No I/O."""
     given = headers.get(HEADER)
     if given is None:
@@ -93,8 +104,19 @@ def claim_for(account: str, route: str, headers: Mapping[str, str], raw: bytes) 
     if not 0 < len(given) <= MAX_KEY_LENGTH:
         raise _invalid(f"must be 1 to {MAX_KEY_LENGTH} characters")
     scope = hashlib.sha256(f"{account}\0{given}".encode()).hexdigest()
-    fingerprint = hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()
+    fingerprint = hashlib.sha256(route.encode() + b"\0" + canonical(body)).hexdigest()
     return Claim(f"igw:{{{account}}}:idem:{scope}", fingerprint, hex_id())
+
+
+def canonical(body: object) -> bytes:
+    """A parsed body as bytes that do not depend on how it was written: JSON with sorted keys;
+    a form's fields sorted, each uploaded file by its digest."""
+    if isinstance(body, Form):
+        files = {name: [upload.filename, upload.content_type,
+                        hashlib.sha256(upload.data).hexdigest()]
+                 for name, upload in body.files.items()}
+        body = {"fields": body.fields, "files": files}
+    return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
 
 
 def _invalid(problem: str) -> GatewayError:

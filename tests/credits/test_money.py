@@ -172,10 +172,12 @@ async def test_leaving_during_the_claim_leaves_a_short_lived_claim(
         await redis.aclose()
 
 
-async def test_a_result_too_large_to_keep_gives_the_key_back(
+async def test_a_result_too_large_to_keep_is_not_run_again(
     simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """One run, one charge: an answer too large to replay keeps the key as completed, and a
+    retry is told so (409) rather than run and charged again."""
     from proxy.credits import idempotency
 
     monkeypatch.setattr(idempotency, "MAX_STORED_BYTES", 10)
@@ -183,10 +185,12 @@ async def test_a_result_too_large_to_keep_gives_the_key_back(
     gw = await gateway(sim, policies={"prices.toml": PRICES})
     key = await funded_key(clean_redis.url)
     headers = {"X-API-Key": key, "Idempotency-Key": "big"}
-    for _ in range(2):
-        assert (await call(gw, *ROUTES["compat"], headers))[0] == 200
-        await settled(gw)
-    assert len(await sim_requests(sim)) == 2  # not replayable, so the retry ran for real
+    assert (await call(gw, *ROUTES["compat"], headers))[0] == 200
+    await settled(gw)
+    status, raw = await call(gw, *ROUTES["compat"], headers)
+    assert status == 409 and b"too large to keep" in raw
+    assert len(await sim_requests(sim)) == 1  # the retry never ran
+    assert len([e for e in await journal(clean_redis.url) if e["type"] == "charge"]) == 1
 
 
 # -- 4: no hold expires under a live request ----------------------------------------------------

@@ -153,7 +153,7 @@ async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline(
     # Once the buffers are full, the gateway waits write_timeout_s, then treats the client as
     # gone: the upstream generation is cancelled.
     outcome = None
-    for _ in range(200):
+    for _ in range(400):  # generous: a loaded machine fills the buffers slowly
         records = await sim_requests(sim)
         outcome = records[-1]["outcome"] if records else None
         if outcome is not None:
@@ -161,7 +161,7 @@ async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline(
         await asyncio.sleep(0.05)
     assert outcome == "cancelled"
     # The connection is gone too: what was buffered drains, then the socket ends.
-    await asyncio.wait_for(read_until_closed(reader), 5)
+    await asyncio.wait_for(read_until_closed(reader), 15)
     writer.close()
     # Settled as a client that went away (charged for what was sent).
     await settled(gw)

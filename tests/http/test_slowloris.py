@@ -21,7 +21,9 @@ from tests.support.config_files import write_config
 from tests.support.processes import free_port, wait_until_ready
 
 HEADER_TIMEOUT_S = 1.5
-SLACK_S = 2.0  # 300 sockets and a client in one test process on a shared CI machine
+# 300 sockets and a client in one test process, on a shared 2-core machine that may be running
+# a second test suite: how late the closes and answers may be and still be the deadline's.
+SLACK_S = 4.0
 TRICKLERS, SILENT = 200, 100
 # Never finished: a header line that keeps growing, one byte at a time.
 TRICKLE = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Slow: " + b"s" * 1000
@@ -105,7 +107,7 @@ async def test_slow_and_silent_sockets_are_closed_while_normal_clients_are_serve
     lifetimes = [task.result() for task in done]
     assert max(lifetimes) <= HEADER_TIMEOUT_S + SLACK_S
     assert min(lifetimes) >= HEADER_TIMEOUT_S - 0.3  # closed by the deadline, not refused
-    assert len(latencies) >= 10 and max(latencies) < 2.0  # bounded: nobody was locked out
+    assert len(latencies) >= 10 and max(latencies) < SLACK_S  # bounded: nobody locked out
 
     # The worker held every socket (one descriptor each) and let them all go again.
     assert peak_fds >= baseline_fds + 0.8 * (TRICKLERS + SILENT)

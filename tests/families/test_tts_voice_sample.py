@@ -5,11 +5,14 @@ gets nothing either way; a sample within bounds is charged as characters of text
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
+from aiohttp import web
 
 from tests.support.asr_audio import wav
 from tests.support.media_builders import MP3_HEADER, mp3_xing
-from tests.support.media_stack import PER_1K_CHARS, Media, MediaFactory
+from tests.support.media_stack import AUDIO_HOST, PER_1K_CHARS, Media, MediaFactory
 
 TTS = "/v2/audio/tts/engine"
 # requests.toml [tts]'s defaults: max_voice_sample_bytes, max_voice_sample_s,
@@ -39,6 +42,34 @@ async def test_a_sample_over_the_byte_cap_is_not_fetched_past_it(media: MediaFac
     assert len(big) > MAX_BYTES
     await _refused(m, "acct-big", m.serve("/big.wav", big), "url_unusable")
     assert m.files.seen == ["/big.wav"]
+
+
+async def test_a_streamed_24_mb_sample_is_cut_off_at_the_cap(media: MediaFactory,
+                                                             aiohttp_server: Any) -> None:
+    """The attack of issue 30 #7: 24 MB sent chunked (no Content-Length) for a 1-character text.
+    The gateway stops reading past the cap; most of the 24 MB is never sent."""
+    sent = [0]
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "audio/wav"})
+        await response.prepare(request)
+        chunk = wav(0.5, rate=48000)[:65536]
+        try:
+            while sent[0] < 24 * 1024 * 1024:
+                await response.write(chunk)
+                sent[0] += len(chunk)
+        except (ConnectionError, RuntimeError):
+            pass
+        return response
+
+    app = web.Application()
+    app.router.add_get("/voice.wav", endless)
+    host = await aiohttp_server(app, host=AUDIO_HOST)
+    m = await media(extra_ports=[host.port])
+    await _refused(m, "acct-stream", f"http://{AUDIO_HOST}:{host.port}/voice.wav",
+                   "url_unusable")
+    # The cap (2 MB) read, a few MB more in loopback socket buffers (about 6 MB here).
+    assert sent[0] < 12 * 1024 * 1024
 
 
 async def test_a_sample_over_the_duration_cap_is_refused(media: MediaFactory) -> None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
 from tests.support.asr_audio import encoded
 from tests.support.media_builders import MP3_HEADER, mp3_xing
-from tests.support.media_stack import PER_AUDIO_S, MediaFactory
+from tests.support.media_stack import ASR_MODEL, PER_AUDIO_S, MediaFactory
 
 ASR = "/v2/audio/asr/engine"
 LIMIT = "[asr]\nmax_audio_s = 20\n"
@@ -101,3 +102,24 @@ async def test_a_server_reporting_more_than_the_limit_is_charged_the_limit(
     assert orjson.loads(raw)["duration"] > 20
     [charge] = await m.charges("acct-cap")
     assert charge["audio_ms"] == 20_000 and charge["cost"] == charge["held"] == 20 * PER_AUDIO_S
+
+
+async def test_an_upload_is_measured_the_same(media: MediaFactory) -> None:
+    """OpenAI's multipart route: the lying MP3 uploaded, not fetched; refused on body.file."""
+    m = await media(requests_toml=LIMIT)
+    headers = await m.key("basic", "acct-up")
+    results = []
+    for frames in (1000, 500):
+        form = aiohttp.FormData()
+        form.add_field("model", ASR_MODEL)
+        form.add_field("response_format", "verbose_json")
+        form.add_field("file", lying_mp3(frames), filename="a.mp3", content_type="audio/mpeg")
+        async with aiohttp.ClientSession() as session, session.post(
+                m.gateway.make_url("/v2/compat/v1/audio/transcriptions"), data=form,
+                headers=headers) as r:
+            results.append((r.status, await r.json()))
+    (refused, body), (ok, answer) = results
+    assert refused == 422 and body["detail"][0]["type"] == "audio_too_long"
+    assert body["detail"][0]["loc"] == ["body", "file"]
+    assert ok == 200 and answer["duration"] == 12.0
+    assert [c["audio_ms"] for c in await m.charges("acct-up") if c["cost"]] == [12_000]

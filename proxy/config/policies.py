@@ -26,6 +26,12 @@ class TtsRequestPolicy(Section, frozen=True):
     max_body_bytes: Bytes = 256 * 1024
     # Largest audio a TTS server may answer with (it is checked, and converted when needed).
     max_audio_bytes: Bytes = 128 * 1024 * 1024
+    # A cloned voice's sample (`custom_voice.url`): fetched no further than this many bytes,
+    # refused when longer than this many seconds (measured by what it carries), and priced as
+    # this many characters of text a second (held at the longest; charged as measured).
+    max_voice_sample_bytes: Bytes = 2 * 1024 * 1024
+    max_voice_sample_s: Annotated[int, msgspec.Meta(ge=1, le=600)] = 30
+    voice_sample_characters_per_s: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 15
 
 
 class AsrRequestPolicy(Section, frozen=True):

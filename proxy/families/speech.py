@@ -1,22 +1,32 @@
 """Speech synthesis on the request path: a preset, random or cloned voice (its sample fetched
 under the SSRF rules) -> `/v1/audio/speech` -> the WAV checked and converted to 16-bit PCM mono
-24 kHz -> charged per character. The request's schema and rules are in proxy.families.tts."""
+24 kHz -> charged per character. The request's schema and rules are in proxy.families.tts.
+
+A cloned voice's sample is bounded (requests.toml [tts]): the fetch stops past
+`max_voice_sample_bytes`, and a sample longer than `max_voice_sample_s` (by what it carries,
+proxy.media.measure, or by its headers) is refused before the server is called. Each of its
+seconds is priced as `voice_sample_characters_per_s` characters: held at the longest sample,
+charged as measured (docs/media.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from proxy.config import Policies
+from proxy.config.policies import TtsRequestPolicy
 from proxy.credits.pricing import Units
-from proxy.errors import ErrorKind, GatewayError
+from proxy.errors import ErrorKind, GatewayError, validation_failed
 from proxy.families import openai_audio, tts
 from proxy.families.base import Answer, Ctx, Family, Job, parsed
 from proxy.families.fetched import fetch_audio, unfetchable
 from proxy.families.openai_audio import Speech
-from proxy.media.audio import NotAudio, probe
+from proxy.media.audio import NotAudio
+from proxy.media.measure import measure
 from proxy.media.wav import SPEECH_RATE, BadAudio, to_speech_wav, wav_bytes
 from proxy.upstream import http1
 from proxy.upstream.client import read_answer
@@ -34,7 +44,7 @@ class SpeechSynthesis(Family):
 
     def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         req: tts.TtsRequest = parsed(tts.parse_tts, body, policies.requests.tts.max_characters)
-        return _speech_job(Speech(req))
+        return _speech_job(Speech(req), policies.requests.tts)
 
     def model(self, job: Job, policies: Policies) -> str | None:
         return job.model or policies.requests.tts.default_model
@@ -42,13 +52,10 @@ class SpeechSynthesis(Family):
     async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
         speech: Speech = job.request
         req = speech.req
-        sample = None
+        policy = ctx.policies.requests.tts
+        sample, sample_chars = None, 0
         if req.custom_voice is not None:
-            sample = await fetch_audio(ctx, req.custom_voice.url, ("custom_voice", "url"))
-            try:
-                probe(sample)
-            except NotAudio:
-                raise unfetchable(("custom_voice", "url")) from None
+            sample, sample_chars = await _voice_sample(ctx, req.custom_voice.url, policy)
         preset = tts.pick_voice(req)
         headers = {"Content-Type": "application/json", "Accept": "audio/wav",
                    "X-Request-Id": ctx.request_id}
@@ -69,7 +76,7 @@ class SpeechSynthesis(Family):
             pieces.append(await ctx.upstreams.call(pool, tts.SPEECH_PATH, body_for, headers,
                                                    ctx.client_headers, use))
         audio = pieces[0] if len(pieces) == 1 else join_speech(pieces)
-        used = Units(characters=len(req.text))
+        used = Units(characters=min(len(req.text) + sample_chars, job.worst.characters))
         if speech.response_format == "pcm":  # OpenAI's raw 16-bit mono 24 kHz
             return Answer(audio[SPEECH_HEADER:], "audio/pcm", used, reply)
         return Answer(audio, "audio/wav", used, reply)
@@ -80,13 +87,36 @@ class OpenAISpeech(SpeechSynthesis):
 
     def parse(self, body: Any, policies: Policies, params: Mapping[str, str]) -> Job:
         return _speech_job(parsed(openai_audio.parse_speech, body,
-                                  policies.requests.tts.max_characters))
+                                  policies.requests.tts.max_characters), policies.requests.tts)
 
 
-def _speech_job(speech: Speech) -> Job:
+def _speech_job(speech: Speech, policy: TtsRequestPolicy) -> Job:
+    """Held: the text's characters, and the longest voice sample's when one is named."""
     req = speech.req
+    sample = 0 if req.custom_voice is None else \
+        policy.max_voice_sample_s * policy.voice_sample_characters_per_s
     return Job(speech, req.model, req.mode or "auto", bool(req.async_),
-               Units(characters=len(req.text)))
+               Units(characters=len(req.text) + sample))
+
+
+_SAMPLE_LOC = ("custom_voice", "url")
+
+
+async def _voice_sample(ctx: Ctx, url: str, policy: TtsRequestPolicy) -> tuple[bytes, int]:
+    """The sample, fetched within its byte cap and measured; and its price in characters."""
+    limits = (f", of at most {policy.max_voice_sample_bytes} bytes and "
+              f"{policy.max_voice_sample_s} s")
+    sample = await fetch_audio(ctx, url, _SAMPLE_LOC, policy.max_voice_sample_bytes, limits)
+    longest = policy.max_voice_sample_s
+    try:
+        measured = await asyncio.to_thread(measure, sample, longest)
+    except NotAudio:
+        raise unfetchable(_SAMPLE_LOC, limits) from None
+    if max(measured.seconds, measured.claimed_s or 0.0) > longest:
+        raise validation_failed([{"loc": ["body", *_SAMPLE_LOC], "type": "voice_sample_too_long",
+                                  "msg": f"the voice sample is longer than {longest} s"}])
+    seconds = math.ceil(round(measured.seconds * 1000, 6)) / 1000
+    return sample, math.ceil(round(seconds * policy.voice_sample_characters_per_s, 6))
 
 
 def join_speech(wavs: list[bytes]) -> bytes:

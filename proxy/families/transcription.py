@@ -1,10 +1,19 @@
 """Speech recognition on the request path: the audio (fetched from `audio_url` under the SSRF
 rules, or uploaded) identified and measured by its content -> multipart to
 `/v1/audio/transcriptions` (or whisper.cpp's `/inference`) -> the answer normalised -> charged
-per second of the decoded audio. The request's schema and rules are in proxy.families.asr."""
+per second of the decoded audio. The request's schema and rules are in proxy.families.asr.
+
+The audio's length is the gateway's own measure (proxy.media.measure: the frames present, never
+less than its bytes at the codec's highest bitrate), not what its headers claim: longer than
+`max_audio_s` by that measure or by its headers is refused before any server is called. The
+charge is the longer of that measure and the server's reported duration, capped at the hold
+(`max_audio_s`): a server that reports more than the limit ran the request, and is charged the
+cap (docs/media.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -20,7 +29,8 @@ from proxy.families.base import Answer, Ctx, Family, Job, parsed
 from proxy.families.fetched import fetch_audio, unfetchable
 from proxy.families.openai_audio import Transcription
 from proxy.http.body import Form, read_form
-from proxy.media.audio import NotAudio, probe
+from proxy.media.audio import NotAudio
+from proxy.media.measure import measure
 from proxy.upstream import http1
 from proxy.upstream.client import read_answer
 from proxy.upstream.pool import Backend, Pool
@@ -28,6 +38,7 @@ from proxy.upstream.pool import Backend, Pool
 ANSWER_MAX_BYTES = 16 * 1024 * 1024  # a transcription as JSON
 FORM_SLACK = 256 * 1024  # an upload's form: the audio's cap plus its text fields
 JSON = "application/json"
+log = logging.getLogger(__name__)
 
 
 class SpeechRecognition(Family):
@@ -50,16 +61,16 @@ class SpeechRecognition(Family):
             audio = await fetch_audio(ctx, req.audio_url, where)
         else:
             audio = job_.upload
+        longest = job.worst.audio_ms / 1000
         try:
-            info = probe(audio)
+            info = await asyncio.to_thread(measure, audio, longest)
         except NotAudio:
             if job_.upload is None:
                 raise unfetchable(where) from None
             raise validation_failed([{"loc": ["body", "file"], "type": "not_audio",
                                       "msg": "the file is not WAV, MP3, M4A, WEBM, FLAC or OGG "
                                              "audio"}]) from None
-        longest = job.worst.audio_ms / 1000
-        if info.duration_s is not None and info.duration_s > longest:
+        if max(info.seconds, info.claimed_s or 0.0) > longest:
             raise validation_failed([{"loc": ["body", *where], "type": "audio_too_long",
                                       "msg": f"the audio is longer than {longest:g} s"}])
         content_type, forms = _forms(job_, pool, audio, info.format)
@@ -69,13 +80,16 @@ class SpeechRecognition(Family):
         async def use(backend: Backend, upstream: http1.Response) -> Answer:
             raw = await read_answer(upstream, ANSWER_MAX_BYTES)
             try:
-                transcript = asr.read_transcript(orjson.loads(raw), req, info.duration_s)
+                transcript = asr.read_transcript(orjson.loads(raw), req, info.seconds)
             except (orjson.JSONDecodeError, asr.UnusableAnswer):
                 raise GatewayError(ErrorKind.UPSTREAM_ERROR,
                                    "the speech recognition server sent an unusable answer"
                                    ) from None
-            used = Units(audio_ms=min(math.ceil(transcript.duration_s * 1000),
-                                      job.worst.audio_ms))
+            heard_ms = math.ceil(round(transcript.duration_s * 1000, 6))
+            if heard_ms > job.worst.audio_ms:  # the server heard more than the limit: the cap
+                log.warning("asr: %s reported %.3f s, over the %g s limit; charged the limit",
+                            backend.spec.name, transcript.duration_s, longest)
+            used = Units(audio_ms=min(heard_ms, job.worst.audio_ms))
             if job_.response_format == "spec":
                 body, content_type = orjson.dumps(asr.answer(transcript, req)), JSON
             else:

@@ -238,14 +238,17 @@ class MediaFetcher:
         if self._own_resolver:
             await self._guard.close()
 
-    async def fetch(self, url: str, *, accept: Callable[[str], bool] | None = None) -> Fetched:
+    async def fetch(self, url: str, *, accept: Callable[[str], bool] | None = None,
+                    max_bytes: int | None = None) -> Fetched:
         """GET the media at `url`, following up to `max_redirects` redirects, all within
-        `total_timeout_s`; its media type must satisfy `accept` (default: is_audio_media_type).
+        `total_timeout_s`; its media type must satisfy `accept` (default: is_audio_media_type);
+        at most `max_bytes` when given (and never more than the rules' `max_bytes`).
         Raises FetchRefused and nothing else (cancellation apart)."""
+        cap = self.rules.max_bytes if max_bytes is None else min(max_bytes, self.rules.max_bytes)
         try:
             async with asyncio.timeout(self.rules.total_timeout_s):
                 return await self._follow(check_url(url, self.rules),
-                                          accept or is_audio_media_type)
+                                          accept or is_audio_media_type, cap)
         except FetchRefused:
             raise
         except TimeoutError:
@@ -258,14 +261,14 @@ class MediaFetcher:
             # Exception texts may quote the URL with its query: keep only the type.
             raise FetchRefused(f"the fetch failed: {type(exc).__name__}") from None
 
-    async def _follow(self, url: URL, accept: Callable[[str], bool]) -> Fetched:
+    async def _follow(self, url: URL, accept: Callable[[str], bool], cap: int) -> Fetched:
         for _ in range(self.rules.max_redirects + 1):
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.rules.connect_timeout_s)
             async with self._session.get(url, allow_redirects=False,
                                          timeout=timeout) as response:
                 try:
                     if response.status not in _REDIRECTS:
-                        return await self._read(url, response, accept)
+                        return await self._read(url, response, accept, cap)
                     location = response.headers.get(hdrs.LOCATION)
                     if not location:
                         raise FetchRefused(f"a redirect from {url.host} without a Location")
@@ -275,14 +278,14 @@ class MediaFetcher:
         raise FetchRefused(f"more than {self.rules.max_redirects} redirects")
 
     async def _read(self, url: URL, response: aiohttp.ClientResponse,
-                    accept: Callable[[str], bool]) -> Fetched:
+                    accept: Callable[[str], bool], cap: int) -> Fetched:
         """The body, counted as it arrives: read at most the cap plus one chunk (I1, F6).
 
         Both counts are capped: decoded bytes (a small gzip body may inflate to gigabytes;
         aiohttp inflates one read buffer at a time) and bytes on the wire (a compressed stream
         may also send much and yield little).
         """
-        host, cap = url.host, self.rules.max_bytes
+        host = url.host
         if response.status != 200:
             raise FetchRefused(f"{host} answered HTTP {response.status}")
         media = response.headers.get(hdrs.CONTENT_TYPE, "").split(";")[0].strip().lower()

@@ -23,7 +23,8 @@ PURE = [
     "proxy.headers", "proxy.http.sse", "proxy.http.ranges", "proxy.errors", "proxy.validate",
     "proxy.outcome", "proxy.ids", "proxy.families.tts", "proxy.families.asr",
     "proxy.families.generation", "proxy.families.languages", "proxy.media.audio",
-    "proxy.media.wav", "proxy.media.containers", "proxy.media.matroska", "proxy.media.visual",
+    "proxy.media.wav", "proxy.media.containers", "proxy.media.matroska", "proxy.media.measure",
+    "proxy.media.visual",
     "proxy.upstream.quorum", "proxy.upstream.routing",
 ]
 IO_LIBRARIES = ("aiohttp", "redis", "limits", "asyncio", "socket", "ssl")

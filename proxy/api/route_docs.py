@@ -189,7 +189,9 @@ TTS: Final = _task(
     "sample itself, from public http(s) hosts only) or, with neither, a random preset (named in "
     "`X-Voice`). The answer is a WAV file: 16-bit PCM, mono, 24 kHz, whatever rate the model "
     "server used; a text longer than the server takes at once is spoken in pieces, split "
-    "between sentences, and joined. Charged per character of `text`. With `async: true` "
+    "between sentences, and joined. Charged per character of `text`, and a cloned voice's "
+    "sample as `voice_sample_characters_per_s` characters a second of it (requests.toml [tts] "
+    "bounds its bytes and seconds). With `async: true` "
     "(202) the finished task's result names the audio: `GET /v2/audio/media/{media_key}`.",
     Response("The speech, as WAV", None, "audio/wav",
              {**_TASK_HEADERS, "X-Voice": Header("The preset spoken with, or `custom`")}),

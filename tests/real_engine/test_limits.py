@@ -102,7 +102,8 @@ async def test_a_prompt_beyond_the_context_is_400_free_and_no_fault_of_the_engin
     assert b"maximum context length is 1024 tokens" in raw
     await settled(gw)
     [charge] = [e for e in await journal(clean_redis.url) if e["type"] == "charge"]
-    assert charge["cost"] == 0 and charge["status"] == "upstream_error"
+    # The engine refused the request itself: the client's fault, not the engine's (nor its cost).
+    assert charge["cost"] == 0 and charge["status"] == "client_error"
     for b in gw.app[ROUTER].backends:  # the engine judged a bad request: alive and well
         assert b.healthy and b.health.consecutive_failures == 0
 

@@ -82,7 +82,7 @@ VIDEO_PROMPT_TOKENS = 131_072
 # alone, without `type`), and the kind of media each carries.
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio",
               "video_url": "video", "file": "file", "image_embeds": "embeds",
-              "audio_embeds": "embeds", "image_pil": "embeds"}
+              "audio_embeds": "embeds", "video_embeds": "embeds", "image_pil": "embeds"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +104,8 @@ def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict):
                 continue
+            if part.get("type") == "prompt_embeds":  # vLLM: embeddings in `data`
+                yield MediaPart(("messages", i, "content", j, "type"), "embeds", None, 0)
             for key, value in part.items():
                 if (kind := MEDIA_KEYS.get(key)) is not None:
                     yield _media_part(("messages", i, "content", j, key), kind, value)

@@ -85,7 +85,9 @@ async def test_openai_parts_naming_urls_are_refused_and_nothing_is_sent(
             [fault] = body["detail"]
             assert fault["loc"] == loc and fault["type"] == "url_not_allowed", fault
     for part in ({"type": "file", "file": {"file_id": "file-abc"}},
-                 {"type": "image_embeds", "image_embeds": PNG}):
+                 {"type": "image_embeds", "image_embeds": PNG},
+                 {"type": "video_embeds", "video_embeds": PNG},
+                 {"type": "prompt_embeds", "data": PNG}):
         status, body = await send(gw, path, openai_body(part))
         assert status == 422 and body["detail"][0]["type"] == "url_not_allowed", body
     assert await sim_requests(sim) == []

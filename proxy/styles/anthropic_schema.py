@@ -86,7 +86,11 @@ class Base64Source(_Open, tag_field="type", tag="base64"):
 
 
 class URLSource(_Open, tag_field="type", tag="url"):
-    url: Annotated[str, Meta(min_length=1)]
+    # A data: URL only (usage_rules refuses others with `url_not_allowed`; the document states
+    # it as a pattern, which the validator leaves to that rule and its own error type).
+    url: Annotated[str, Meta(min_length=1, extra_json_schema={
+        "pattern": "^[dD][aA][tT][aA]:",
+        "description": "A data: URL (base64); the gateway forwards no other URL"})]
 
 
 class TextBlock(_Block, tag="text"):

@@ -104,6 +104,9 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         raw = await read_capped(request, policies.requests.chat.max_body_bytes)
         body = parse_json_object(raw)
         call = chat_family.parsed_call(style, body)
+        # Media inline only, bounded (422/413): nothing a client names is fetched upstream.
+        chat_family.check_media(call, policies.requests.chat,
+                                exact=style.name in ("openai", "served"))
         mode = choose_mode(router, "chat", call.model, call.mode, stream=call.stream)
         router.require("chat", call.model)  # 404: no such chat model, before access
         request[TRACE].model = call.model

@@ -13,6 +13,13 @@ from proxy.config.vocabulary import Family, Mode, NonEmpty, Port, Seconds, Secti
 
 class ChatRequestPolicy(Section, frozen=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    # Media parts (images, audio, video, files) one chat request may carry, inline as data:
+    # URLs or base64 (a URL to fetch is refused): how many, how large each, how large in all.
+    max_media_parts: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 8
+    max_media_part_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1024 * 1024 * 1024)] = \
+        10 * 1024 * 1024
+    max_media_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1024 * 1024 * 1024)] = \
+        20 * 1024 * 1024
 
 
 Bytes = Annotated[int, msgspec.Meta(ge=1024, le=1024 * 1024 * 1024)]

@@ -7,7 +7,8 @@ engine served from its prefix cache (`usage.prompt_tokens_details.cached_tokens`
 with their own price (`cached_prompt_per_1k_tokens`, by default the prompt price).
 
 The hold is the worst case: an upper bound on the prompt (its UTF-8 byte count: no tokenizer
-makes more tokens than bytes) plus the completion cap for each of the `n` choices.
+makes more tokens than bytes, plus an allowance for each media part, `media_tokens`) plus the
+completion cap for each of the `n` choices.
 When a stream is cut before the upstream reports usage, the charge is an estimate that is never
 below the truth for the prompt: its upper bound (the engine got all of it), and one completion
 token per content chunk delivered.
@@ -15,7 +16,7 @@ token per content chunk delivered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -61,7 +62,93 @@ def chat_hold(rates: Rates, body: dict[str, Any], max_tokens: int) -> int:
 def prompt_upper_bound(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     count = len(messages) if isinstance(messages, list) else 0
-    return sum(len(text.encode()) for text in _texts(body)) + PER_MESSAGE_OVERHEAD * count
+    return (sum(len(text.encode()) for text in _texts(body)) + PER_MESSAGE_OVERHEAD * count
+            + sum(media_tokens(part) for part in media_parts(body)))
+
+
+# ---- media parts: what the engine may fetch or decode (images, audio, video, files) ----------
+
+# Prompt tokens one media part may make, at most (docs/chat-styles.md, "Media parts"):
+# - an image: a fixed allowance, whatever its size: vLLM's vision processors resize to a pixel
+#   ceiling (Qwen2-VL's default max_pixels, 12,845,056 = 16,384 patches of 28x28, is the
+#   largest of the common ones);
+# - audio: its decoded bytes (audio encoders make at most ~50 tokens a second, and no codec
+#   stores a second of audio in fewer bytes than that);
+# - a video: a fixed allowance of a 128k context (frames are sampled to fit the context);
+# - a file: its decoded bytes, at least an image's allowance.
+IMAGE_PROMPT_TOKENS = 16_384
+VIDEO_PROMPT_TOKENS = 131_072
+# The keys of an OpenAI/vLLM content part that carry media (vLLM also reads a part by its key
+# alone, without `type`), and the kind of media each carries.
+MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio",
+              "video_url": "video", "file": "file", "image_embeds": "embeds",
+              "audio_embeds": "embeds", "video_embeds": "embeds", "image_pil": "embeds"}
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """One media part of an OpenAI-style body, as the engine would read it."""
+
+    loc: tuple[str | int, ...]  # in the OpenAI-style body: ("messages", i, "content", j, key)
+    kind: str  # image | audio | video | file | embeds
+    url: str | None  # the URL it names (a data: URL included); None when it names none
+    size: int  # decoded bytes of its inline data (a data: URL's or a base64 field's)
+    file_id: bool = False  # a `file_id` reference (to storage the engine has, or not)
+
+
+def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
+    """Every media part of every message's content, in order."""
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "prompt_embeds":  # vLLM: embeddings in `data`
+                yield MediaPart(("messages", i, "content", j, "type"), "embeds", None, 0)
+            for key, value in part.items():
+                if (kind := MEDIA_KEYS.get(key)) is not None:
+                    yield _media_part(("messages", i, "content", j, key), kind, value)
+
+
+def _media_part(loc: tuple[str | int, ...], kind: str, value: object) -> MediaPart:
+    if isinstance(value, str):  # vLLM's short form: {"image_url": "<url>"}
+        return MediaPart(loc, kind, value, data_url_size(value))
+    fields = value if isinstance(value, dict) else {}
+    url = fields.get("url")
+    if isinstance(url, str):
+        return MediaPart((*loc, "url"), kind, url, data_url_size(url))
+    if isinstance(data := fields.get("file_data"), str):  # a file: a data: URL or base64
+        if data.startswith("data:"):
+            return MediaPart((*loc, "file_data"), kind, data, data_url_size(data))
+        return MediaPart((*loc, "file_data"), kind, None, base64_size(data))
+    if isinstance(data := fields.get("data"), str):  # input_audio: base64
+        return MediaPart((*loc, "data"), kind, None, base64_size(data))
+    return MediaPart(loc, kind, None, 0, file_id="file_id" in fields)
+
+
+def base64_size(data: str) -> int:
+    """Decoded bytes of base64 text, at most (padding and line breaks counted as data)."""
+    return -(-len(data) * 3 // 4)
+
+
+def data_url_size(url: str) -> int:
+    """Decoded bytes of a data: URL's payload, at most; 0 for any other URL."""
+    if url[:5].lower() != "data:":
+        return 0
+    header, _, payload = url.partition(",")
+    return base64_size(payload) if header.lower().endswith(";base64") else len(payload)
+
+
+def media_tokens(part: MediaPart) -> int:
+    """The most prompt tokens `part` can make (the allowances above)."""
+    if part.kind == "image":
+        return IMAGE_PROMPT_TOKENS
+    if part.kind == "video":
+        return VIDEO_PROMPT_TOKENS
+    if part.kind == "file":
+        return max(part.size, IMAGE_PROMPT_TOKENS)
+    return part.size  # audio (embeds never reach an engine: refused)
 
 
 def usage_from(reported: object) -> ChatUsage | None:

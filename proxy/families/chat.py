@@ -15,7 +15,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.config.policies import ChatRequestPolicy
 from proxy.credits.meter import Result
+from proxy.credits.pricing import MediaPart, media_parts
 from proxy.errors import ErrorKind, GatewayError, validation_failed
 from proxy.families.base import Ctx
 from proxy.styles import wire
@@ -37,6 +39,47 @@ def parsed_call(style: ChatStyle, body: dict[str, Any]) -> ChatCall:
         return style.parse(body)
     except RequestInvalid as exc:
         raise validation_failed(exc.detail) from None
+
+
+def check_media(call: ChatCall, policy: ChatRequestPolicy, exact: bool) -> None:
+    """Media parts go to the engine inline only, within [chat]'s bounds: 422 for a part that
+    names a URL other than a data: URL (the engine would fetch it from inside the operator's
+    network), a `file_id` or embeddings, or for more parts than `max_media_parts`; 413 for a part
+    or all of them past their bytes. `exact`: the OpenAI-style body is the client's own (the
+    compat and served routes), so a fault's loc names the part; else it names `messages`."""
+    faults: list[dict[str, object]] = []
+    parts = list(media_parts(call.openai_body))
+    for part in parts:
+        if (problem := _unusable(part)) is not None:
+            faults.append({"loc": _loc(part, exact), "type": "url_not_allowed", "msg": problem})
+    if len(parts) > policy.max_media_parts:
+        faults.append({"loc": ["body", "messages"], "type": "too_many_media_parts",
+                       "msg": f"a request may carry at most {policy.max_media_parts} media "
+                              f"parts (images, audio, video, files); it has {len(parts)}"})
+    if faults:
+        raise validation_failed(faults)
+    largest = max((part.size for part in parts), default=0)
+    if largest > policy.max_media_part_bytes:
+        raise GatewayError(ErrorKind.PAYLOAD_TOO_LARGE,
+                           f"a media part may carry at most {policy.max_media_part_bytes} bytes")
+    if sum(part.size for part in parts) > policy.max_media_bytes:
+        raise GatewayError(ErrorKind.PAYLOAD_TOO_LARGE,
+                           f"media parts may carry at most {policy.max_media_bytes} bytes in all")
+
+
+def _unusable(part: MediaPart) -> str | None:
+    if part.kind == "embeds":
+        return "embedding parts are not accepted: send the media itself"
+    if part.file_id:
+        return "file_id references are not accepted: send the file inline (file_data)"
+    if part.url is not None and part.url[:5].lower() != "data:":
+        return ("media parts are accepted inline only, as a data: URL (base64): the gateway "
+                "does not forward URLs for the model server to fetch")
+    return None
+
+
+def _loc(part: MediaPart, exact: bool) -> list[str | int]:
+    return ["body", *part.loc] if exact else ["body", "messages"]
 
 
 def check_context(call: ChatCall, context: int | None) -> None:

@@ -86,7 +86,11 @@ class Base64Source(_Open, tag_field="type", tag="base64"):
 
 
 class URLSource(_Open, tag_field="type", tag="url"):
-    url: Annotated[str, Meta(min_length=1)]
+    # A data: URL only (usage_rules refuses others with `url_not_allowed`; the document states
+    # it as a pattern, which the validator leaves to that rule and its own error type).
+    url: Annotated[str, Meta(min_length=1, extra_json_schema={
+        "pattern": "^[dD][aA][tT][aA]:",
+        "description": "A data: URL (base64); the gateway forwards no other URL"})]
 
 
 class TextBlock(_Block, tag="text"):
@@ -235,6 +239,20 @@ def _fault(loc: list[str | int], text: str) -> dict[str, object]:
     return {"loc": ["body", *loc], "msg": f"Value error, {text}", "type": "value_error"}
 
 
+def _url_faults(block: object, loc: list[str | int]) -> list[dict[str, object]]:
+    """An image (also inside a tool result) may name a data: URL only: the gateway forwards no
+    URL for the model server to fetch (docs/chat-styles.md, "Media parts")."""
+    inner = block.content if isinstance(block, ToolResultBlock) else None
+    if isinstance(inner, list):
+        return [f for k, b in enumerate(inner) for f in _url_faults(b, [*loc, "content", k])]
+    if not isinstance(block, ImageBlock) or not isinstance(block.source, URLSource) \
+            or block.source.url[:5].lower() == "data:":
+        return []
+    return [{"loc": ["body", *loc, "source", "url"], "type": "url_not_allowed",
+             "msg": "images are accepted inline only (a base64 source or a data: URL): the "
+                    "gateway does not forward URLs for the model server to fetch"}]
+
+
 def usage_rules(req: MessagesRequest) -> list[dict[str, object]]:
     """Rules across fields (same wording as the compat route's): 422 items, [] when none."""
     faults: list[dict[str, object]] = []
@@ -251,6 +269,7 @@ def usage_rules(req: MessagesRequest) -> list[dict[str, object]]:
                 tag = type(block).__struct_config__.tag
                 faults.append(_fault(["messages", i, "content", j, "type"],
                                      f"{tag} blocks are not allowed in {message.role} messages"))
+            faults += _url_faults(block, ["messages", i, "content", j])
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceAny | ToolChoiceTool) and not req.tools:
         faults.append(_fault(["tool_choice"], "tool_choice needs tools"))

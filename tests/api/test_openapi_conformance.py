@@ -66,7 +66,9 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
           "models": [MODEL]}, *media],
         gateway={"port": gw_port, "data_dir": str(tmp_path / "data"), "workers": 1},
         policies={"tiers.toml": GENEROUS_TIERS,  # rate limits must not answer for the schema
-                  "requests.toml": f'[fetch]\nallow_networks = ["{AUDIO_HOST}/32"]\n'
+                  # Media parts in all a request's messages: no schema can count them.
+                  "requests.toml": f'[chat]\nmax_media_parts = 1024\n'
+                                   f'[fetch]\nallow_networks = ["{AUDIO_HOST}/32"]\n'
                                    f"ports = [{audio_port}]\n"})
     files = tmp_path / "audio"
     files.mkdir()

@@ -131,11 +131,10 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     claimed = False
     try:  # entered before the first await that can place a hold or a claim
-        if claim is not None:
-            replay = await _acquire(request, claim, principal, tier)
-            if replay is not None:
-                return replay  # the first result again: nothing run, nothing held
-            claimed = True  # ours from here, whatever happens to this request
+        replay = await _acquire(request, claim, principal, tier)
+        if replay is not None:
+            return replay  # the first result again: nothing run, nothing held
+        claimed = claim is not None  # ours from here, whatever happens to this request
         request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
         task_id = ids.task_id(mode)
         if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
@@ -213,11 +212,10 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     claimed = False
     try:  # entered before the first await that can place a hold or a claim
-        if claim is not None:
-            replay = await _acquire(request, claim, principal, tier)
-            if replay is not None:
-                return replay  # the first result again: nothing run, nothing held
-            claimed = True
+        replay = await _acquire(request, claim, principal, tier)
+        if replay is not None:
+            return replay  # the first result again: nothing run, nothing held
+        claimed = claim is not None  # ours from here, whatever happens to this request
         request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
         task_id = ids.task_id(mode)
         if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
@@ -314,10 +312,13 @@ async def _count_refused(request: web.Request, principal: Principal, tier: TierP
     request[RESPONSE_HEADERS] = window.headers()
 
 
-async def _acquire(request: web.Request, claim: idempotency.Claim, principal: Principal,
+async def _acquire(request: web.Request, claim: idempotency.Claim | None, principal: Principal,
                    tier: TierPolicy) -> web.Response | None:
-    """Claim the Idempotency-Key before anything is held. A replay, a duplicate still running
-    (409) or a key reused for another body (422) is counted like any refused request."""
+    """Claim the Idempotency-Key (if one came) before anything is held. A replay, a duplicate
+    still running (409) or a key reused for another body (422) is counted like any refused
+    request."""
+    if claim is None:
+        return None
     pending_ttl = int(request.app[CONFIG].upstream.longest_request_s) + 60
     try:
         replay = await claim.acquire(request.app[REDIS], pending_ttl)

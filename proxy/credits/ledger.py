@@ -256,7 +256,8 @@ class Ledger:
                       raw.get("credited", 0))
         holds = _fields(await self.redis.hgetall(keys.holds))
         holds.pop(HOLDS_TAG, None)  # the run id the holds were placed under, not a hold
-        expiries = await self.open_holds(account)
+        rows = await self.redis.zrange(keys.hold_expiry, 0, -1, withscores=True)
+        expiries = {_text(row[0]): int(row[1]) for row in rows}  # stale ones forgotten above
         entries = await self.all_entries(account)
         credited = raw.get("trimmed_credited", 0) + sum(
             e["amount"] for e in entries if e.get("type") == "credit")

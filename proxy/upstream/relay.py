@@ -38,9 +38,8 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def send_whole(request: web.Request, response: web.Response, result: Result
                      ) -> web.Response:
-    """Send a whole answer whose usage `result` already holds (`Result.answered`): it counts as
-    delivered once it is out, and as made for a client that left while it went out."""
-    result.status = Outcome.CLIENT_GONE
+    """Send a whole answer whose usage `result` already holds (`Result.answered`: charged as
+    made for a client that leaves while it goes out); delivered once it is out."""
     await response.prepare(request)
     await response.write_eof()
     result.delivered()

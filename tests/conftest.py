@@ -18,6 +18,7 @@ pytest_plugins = [
     "tests.support.upstreams",  # simulator
     "tests.support.gateway",  # gateway
     "tests.support.media_stack",  # media
+    "tests.support.object_store",  # s3_server (session), s3_bucket
 ]
 
 

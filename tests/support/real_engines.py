@@ -14,7 +14,6 @@ entries an operator writes for them. tests/real_engine/conftest.py holds the tie
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from tests.support.processes import stop_group, tail
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts" / "real-engine"
@@ -47,14 +48,6 @@ WHISPER_ARGS = ("--max-num-seqs", "4")
 
 class EngineSetupError(Exception):
     """The tier cannot run: install, model build or start failed (the message says why)."""
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def prepare(log: Path, script: str = CHAT_SCRIPT) -> float:
@@ -135,12 +128,7 @@ class Replica:
         """SIGTERM to the whole process group, then SIGKILL after a grace period."""
         if self.proc is None:
             return
-        group = self.proc.pid  # a session leader: its pid is the group id
-        _signal_group(group, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(STOP_GRACE_S)
-        _signal_group(group, signal.SIGKILL)  # the engine's children, if any outlived it
-        self.proc.wait()
+        stop_group(self.proc, STOP_GRACE_S)  # the engine's children too
         self.proc = None
 
     def engine_core(self) -> psutil.Process:
@@ -156,11 +144,6 @@ class Replica:
 
     def kill_core(self) -> None:
         self.engine_core().send_signal(signal.SIGKILL)
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, sig)
 
 
 class Engines:

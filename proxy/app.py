@@ -35,9 +35,11 @@ from proxy.appkeys import (
     COUNTERS,
     DRAIN,
     FETCHER,
+    KEEPER,
     KEYSTORE,
     LEDGER,
     LIVE,
+    MEDIA,
     METERING,
     METRICS,
     OPENAPI,
@@ -48,8 +50,11 @@ from proxy.appkeys import (
     TASKS,
     UPSTREAMS,
 )
+from proxy.blobs import open_blobs
+from proxy.blobs.media import MediaStore
 from proxy.config import Config
 from proxy.credits.admission import Admitter
+from proxy.credits.idempotency import Keeper
 from proxy.credits.ledger import Ledger
 from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
@@ -252,12 +257,14 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         with contextlib.suppress(RedisError):  # else read at the first sealed key's lookup
             await app[KEYSTORE].read_seal()
         app[TASKS] = TaskStore(app[REDIS])
+        app[MEDIA] = MediaStore(open_blobs(config.media, str(config.data_dir)), app[REDIS])
         app[LIVE] = LivePolicies(config, app[KEYSTORE])
         acks = config.gateway.ledger_ack_replicas
         app[LEDGER] = Ledger(app[REDIS], ack_replicas=acks)
         app[ADMITTER] = Admitter(app[LEDGER], app[COUNTERS])
         app[SETTLER] = Settler(app[LEDGER].primaries, [app[LEDGER].settle_script],
                                app[METRICS], ack_replicas=acks)
+        app[KEEPER] = Keeper(app[SETTLER], app[MEDIA])
         app[METERING] = Metering(app[ADMITTER], app[SETTLER], app[LEDGER].settle_script,
                                  app[METRICS])
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
@@ -265,13 +272,16 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         notices = {RELOADS: app[LIVE].on_notice}
         tasks = [asyncio.create_task(app[KEYSTORE].listen_for_revocations(notices)),
                  asyncio.create_task(sweep_holds(app)),
-                 asyncio.create_task(app[SETTLER].run())]
+                 asyncio.create_task(app[SETTLER].run()),
+                 asyncio.create_task(sweep_media(app[MEDIA], app[REDIS]))]
         yield
         for task in tasks:
             await stop_task(task)
         await app[ADMITTER].close()
+        await app[KEEPER].close(timeout_s=5)
         await app[SETTLER].drain(timeout_s=5)  # what is queued lands before the store goes
         await app[LEDGER].close()
+        await app[MEDIA].close()
         await app[REDIS].aclose()
         if app[COUNTERS] is not app[REDIS]:
             await app[COUNTERS].aclose()
@@ -353,3 +363,20 @@ async def sweep_holds(app: web.Application) -> None:
             continue  # the store is down; the holds wait for the next sweep
         if released:
             log.warning("released %d expired credit hold(s) left by a crashed worker", released)
+
+
+async def sweep_media(media: MediaStore, redis: Store, every_s: float = 60.0) -> None:
+    """Delete expired media (whole hours of it). One worker per store sweeps each time: the
+    holder of that store's lease (a folder: each host its own; a bucket: the whole fleet)."""
+    lease = Lease(redis, f"media-sweeper:{media.blobs.scope}")
+    while True:
+        await asyncio.sleep(every_s)
+        if not await lease.hold(ttl_s=3 * every_s):
+            continue
+        try:
+            swept = await media.sweep()
+        except Exception:  # the store is unreachable or refused: the next sweep tries again
+            log.warning("the media sweep failed; trying again in %.0f s", every_s, exc_info=True)
+            continue
+        if swept:
+            log.info("deleted %d hour(s) of expired media", swept)

@@ -8,8 +8,10 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from proxy.blobs.media import MediaStore
 from proxy.config import Config
 from proxy.credits.admission import Admitter
+from proxy.credits.idempotency import Keeper
 from proxy.credits.ledger import Ledger
 from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
@@ -36,13 +38,15 @@ ADMITTER = web.AppKey("admitter", Admitter)
 METERING = web.AppKey("metering", Metering)  # opens each request's meter (admit, settle)
 LEDGER = web.AppKey("ledger", Ledger)
 SETTLER = web.AppKey("settler", Settler)  # settlements queued, flushed in batches
+KEEPER = web.AppKey("keeper", Keeper)  # idempotent results kept for retries
 COUNTERS: web.AppKey[Store] = web.AppKey("counters")  # the rate-limit counters' Redis (guests)
 OPENAPI: web.AppKey[Callable[[], bytes]] = web.AppKey("openapi")  # built at first use
 # Each route's style, by handler: the middleware renders even its own refusals in it.
 ROUTE_STYLES: web.AppKey[dict[Handler, ChatStyle]] = web.AppKey("route_styles")
 DRAIN = web.AppKey("drain", Drain)
 FETCHER = web.AppKey("fetcher", MediaFetcher)  # audio fetched for clients, SSRF rules
-TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue, media
+TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue
+MEDIA = web.AppKey("media", MediaStore)  # their audio, images and video (never in the ledger)
 METRICS = web.AppKey("metrics", Metrics)  # this process's Prometheus metrics
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
 

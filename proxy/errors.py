@@ -112,3 +112,10 @@ def store_unavailable(store: str) -> GatewayError:
     """503 while a part of the state store cannot be reached: the one wording, one Retry-After."""
     return GatewayError(ErrorKind.UNAVAILABLE, f"the {store} is unreachable; try again shortly",
                         headers={"Retry-After": str(STORE_RETRY_AFTER_S)}, store=store)
+
+
+def media_cap_reached(cap: int) -> GatewayError:
+    """429: the account keeps as much task media as it may until older media expires."""
+    return GatewayError(ErrorKind.RATE_LIMITED,
+                        f"this account keeps {cap:,} bytes of task media, its cap; more is kept "
+                        "once older media expires", headers={"Retry-After": "60"})

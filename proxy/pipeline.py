@@ -42,7 +42,9 @@ from proxy import ids
 from proxy.appkeys import (
     CONFIG,
     FETCHER,
+    KEEPER,
     LIVE,
+    MEDIA,
     METERING,
     REDIS,
     REQUEST_ID,
@@ -52,6 +54,8 @@ from proxy.appkeys import (
     TASKS,
     UPSTREAMS,
 )
+from proxy.blobs.base import StoreFailed
+from proxy.blobs.media import send_stored
 from proxy.config import Policies, TierPolicy
 from proxy.credits import idempotency
 from proxy.credits.meter import Meter, Result
@@ -170,7 +174,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
                         ctx.request_id)
         _settle(request, meter, result)
         if claimed and claim is not None:
-            _keep_or_release(request, claim, result, response)
+            _keep_or_release(request, claim, result, response, policies)
 
 
 async def task(request: web.Request, family: Family) -> web.StreamResponse:
@@ -221,7 +225,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
             response = await submit(ctx, app[TASKS], meter, route=family.name,
                                     body=orjson.dumps(body), params=dict(request.match_info),
-                                    task_id=task_id, mode=mode)
+                                    task_id=task_id, mode=mode, media=app[MEDIA])
             return response
         result.status = Outcome.UPSTREAM_ERROR  # until an answer is delivered
         headers = _reply_headers(request, task_id)
@@ -244,7 +248,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     finally:
         _settle(request, meter, result)
         if claimed and claim is not None:
-            _keep_or_release(request, claim, result, response)
+            _keep_or_release(request, claim, result, response, policies)
 
 
 async def queued(app: web.Application, routes: Mapping[str, Runnable], account: str,
@@ -258,7 +262,7 @@ async def queued(app: web.Application, routes: Mapping[str, Runnable], account: 
     spec = found[1]
     ctx = Ctx(app[LIVE].current.policies, app[ROUTER], app[UPSTREAMS], app[FETCHER],
               spec.request_id, spec.headers)
-    await run_task(ctx, store, app[METERING], spec, routes.get(spec.route))
+    await run_task(ctx, store, app[MEDIA], app[METERING], spec, routes.get(spec.route))
 
 
 def _ctx(request: web.Request, policies: Policies) -> Ctx:
@@ -313,7 +317,7 @@ async def _count_refused(request: web.Request, principal: Principal, tier: TierP
 
 
 async def _acquire(request: web.Request, claim: idempotency.Claim | None, principal: Principal,
-                   tier: TierPolicy) -> web.Response | None:
+                   tier: TierPolicy) -> web.StreamResponse | None:
     """Claim the Idempotency-Key (if one came) before anything is held. A replay, a duplicate
     still running (409) or a key reused for another body (422) is counted like any refused
     request."""
@@ -327,22 +331,34 @@ async def _acquire(request: web.Request, claim: idempotency.Claim | None, princi
     except GatewayError:
         await _count_refused(request, principal, tier)
         raise
-    if replay is not None:
-        await _count_refused(request, principal, tier)
-    return replay
+    if replay is None:
+        return None
+    await _count_refused(request, principal, tier)
+    headers = {"Content-Type": replay.content_type, "Idempotent-Replayed": "true"}
+    if replay.blob is None:
+        return web.Response(status=replay.status, body=replay.body, headers=headers)
+    try:
+        found = await request.app[MEDIA].find(principal.account, replay.blob)
+    except StoreFailed:
+        raise store_unavailable("media store") from None
+    if found is None:
+        raise GatewayError(ErrorKind.CONFLICT, "a request with this Idempotency-Key already "
+                           "completed; its kept answer has expired", headers=headers)
+    return await send_stored(request, found, status=replay.status, headers={
+        **request.get(RESPONSE_HEADERS, {}), **headers, "X-Request-Id": request[REQUEST_ID]})
 
 
 def _keep_or_release(request: web.Request, claim: idempotency.Claim, result: Result,
-                     response: web.StreamResponse | None) -> None:
+                     response: web.StreamResponse | None, policies: Policies) -> None:
     """Queued after the settlement: keep a completed result for retries, else give the key
     back (nothing was charged, so a retry runs for real)."""
-    settler = request.app[SETTLER]
     handed_off = response is not None and response.status == 202  # a task: its 202 is kept
     if response is None or (result.status != Outcome.COMPLETED and not handed_off):
-        settler.add(claim.key, claim.release())
-    elif isinstance(response, web.Response) and isinstance(response.body, bytes):
-        settler.add(claim.key, claim.store(response.status, response.content_type,
-                                           response.body))
+        request.app[SETTLER].add(claim.key, claim.release())
+        return
+    if isinstance(response, web.Response) and isinstance(response.body, bytes):
+        content_type, body = response.content_type, response.body
     else:
-        settler.add(claim.key, claim.store(response.status, response.headers["Content-Type"],
-                                           b"".join(result.captured or ())))
+        content_type, body = response.headers["Content-Type"], b"".join(result.captured or ())
+    request.app[KEEPER].keep(claim, response.status, content_type, body,
+                             policies.requests.tasks.max_media_bytes_per_account)

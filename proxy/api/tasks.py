@@ -3,9 +3,9 @@
     GET /v2/tasks/{task_id}          {task_id, status, result | error, created_at, updated_at}
     GET /v2/audio/media/{media_key}  the audio (or video) a finished task produced; Range works
 
-Both look under the caller's own account (proxy.tasks.store): another account's task or media,
-and an expired one, are a plain 404. A credential that is present must be valid; guests see
-their own (by client address). Not counted against the rate limit: polling is expected.
+Both look under the caller's own account (proxy.tasks.store, proxy.blobs): another account's task
+or media, and an expired one, are a plain 404. A credential that is present must be valid; guests
+see their own (by client address). Not counted against the rate limit: polling is expected.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from proxy.appkeys import LIVE, TASKS
+from proxy.appkeys import LIVE, MEDIA, REQUEST_ID, TASKS
+from proxy.blobs.base import StoreFailed
+from proxy.blobs.media import send_stored
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.http.ranges import byte_range
 from proxy.tasks.spec import poll_answer
@@ -38,23 +40,21 @@ async def poll(request: web.Request) -> web.Response:
                         content_type="application/json")
 
 
-async def media(request: web.Request) -> web.Response:
+async def media(request: web.Request) -> web.StreamResponse:
     account = await _owner(request)
     try:
-        found = await request.app[TASKS].media(account, request.match_info["media_key"])
-    except RedisError:
-        raise store_unavailable("task store") from None
+        found = await request.app[MEDIA].find(account, request.match_info["media_key"])
+    except StoreFailed:
+        raise store_unavailable("media store") from None
     if found is None:
         raise GatewayError(ErrorKind.NOT_FOUND, "no such media (or it has expired)")
-    content_type, data = found
-    headers = {"Content-Type": content_type, "Accept-Ranges": "bytes"}
+    span = None
     wanted = request.headers.get("Range")
-    if wanted is None:
-        return web.Response(body=data, headers=headers)
-    span = byte_range(wanted, len(data))
-    if span is None:
-        return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}"})
-    start, end = span
-    return web.Response(status=206, body=data[start:end + 1], headers={
-        **headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"})
-
+    if wanted is not None:
+        span = byte_range(wanted, found.stat.size)
+        if span is None:
+            return web.Response(status=416,
+                                headers={"Content-Range": f"bytes */{found.stat.size}"})
+    # Sent before the middleware sees the response: its request id goes with it.
+    return await send_stored(request, found, span=span,
+                             headers={"X-Request-Id": request[REQUEST_ID]})

@@ -7,7 +7,7 @@ check them, through the collector the request validator uses.
 
     vocabulary.py   backend kinds, families, modes, bounded value types, the `Section` base
     backends.py     backends.toml: [gateway], [server], [upstream], [health], [supervisor],
-                    [routing] and the [[backends]]
+                    [routing], [media] and the [[backends]]
     policies.py     policies/requests.toml, auth.toml, tiers.toml, prices.toml
     checks.py       the rules that span fields and files
     jwt_keys.py     auth.toml's JWT key material (PyJWT: imported only when JWTs are configured)
@@ -22,6 +22,7 @@ from proxy.config.backends import (
     BackendSpec,
     GatewaySection,
     HealthSection,
+    MediaSection,
     Pick,
     RoutingSection,
     ServerSection,
@@ -94,6 +95,7 @@ __all__ = [
     "HealthSection",
     "JwtPolicy",
     "KeysPolicy",
+    "MediaSection",
     "MicroCredits",
     "Mode",
     "ModelPrice",

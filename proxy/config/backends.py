@@ -1,5 +1,5 @@
 """backends.toml: the gateway's own settings ([gateway], [server], [upstream], [health],
-[supervisor], [routing]) and the upstream servers it sends requests to ([[backends]]).
+[supervisor], [routing], [media]) and the upstream servers it sends requests to ([[backends]]).
 """
 
 from __future__ import annotations
@@ -161,6 +161,24 @@ class RoutingSection(Section, frozen=True):
     sent_weight: Weight = 1.0
 
 
+class MediaSection(Section, frozen=True):
+    """Where async tasks' audio, images and video are kept until they expire (proxy.blobs):
+    never in the ledger's Redis."""
+
+    # "files": a folder on this host (`path`, relative to data_dir), served by this host's
+    # gateway only; "s3": an S3-compatible bucket shared by every gateway host.
+    store: Literal["files", "s3"] = "files"
+    path: NonEmpty = "media"
+    # "s3": the server (unset: AWS itself), the bucket (it must exist) and a key prefix.
+    # Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, a
+    # profile, an instance role), never from this file.
+    endpoint_url: Annotated[str, msgspec.Meta(pattern="^https?://")] | None = None
+    bucket: Annotated[str, msgspec.Meta(pattern="^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")] | None \
+        = None
+    region: NonEmpty = "us-east-1"
+    prefix: Annotated[str, msgspec.Meta(pattern="^([A-Za-z0-9._-]+/)*$")] = "igw-media/"
+
+
 class BackendsFile(Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
     server: ServerSection = ServerSection()
@@ -168,4 +186,5 @@ class BackendsFile(Section, frozen=True):
     health: HealthSection = HealthSection()
     supervisor: SupervisorSection = SupervisorSection()
     routing: RoutingSection = RoutingSection()
+    media: MediaSection = MediaSection()
     backends: list[BackendSpec] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
-from proxy.config.backends import BackendsFile, BackendSpec, UpstreamSection
+from proxy.config.backends import BackendsFile, BackendSpec, MediaSection, UpstreamSection
 from proxy.config.policies import (
     ANY_GROUP,
     STANDARD_GROUP,
@@ -118,6 +118,12 @@ def check_routing(backends: BackendsFile) -> list[str]:
     chat = {m for s in backends.backends if FAMILY_OF_KIND[s.kind] == "chat" for m in s.models}
     return [f"backends.toml: routing.models: {model!r} is not a chat model of any backend"
             for model in backends.routing.models if model not in chat]
+
+
+def check_media(media: MediaSection) -> list[str]:
+    if media.store == "s3" and media.bucket is None:
+        return ["backends.toml: media.bucket: the s3 store needs a bucket"]
+    return []
 
 
 def check_request_life(upstream: UpstreamSection, prices: PricesPolicy) -> list[str]:

@@ -15,6 +15,7 @@ from proxy.config.backends import (
     BackendSpec,
     GatewaySection,
     HealthSection,
+    MediaSection,
     RoutingSection,
     ServerSection,
     SupervisorSection,
@@ -22,6 +23,7 @@ from proxy.config.backends import (
 )
 from proxy.config.checks import (
     check_backends,
+    check_media,
     check_network_mode,
     check_network_pools,
     check_networks,
@@ -42,6 +44,7 @@ class Config(Section, frozen=True):
     health: HealthSection
     supervisor: SupervisorSection
     routing: RoutingSection
+    media: MediaSection
     backends: tuple[BackendSpec, ...]
     policies: Policies
 
@@ -94,6 +97,7 @@ def load_config(folder: str | Path = ".") -> Config:
         problems.extend(check_network_pools(
             backends.backends, policies.get("requests", RequestsPolicy()).network))
         problems.extend(check_routing(backends))
+        problems.extend(check_media(backends.media))
     if "auth" in policies and policies["auth"].jwt.algorithms:
         # PyJWT and cryptography load only where JWTs are configured (~10 MB).
         from proxy.config.jwt_keys import check_jwt_policy
@@ -113,6 +117,7 @@ def load_config(folder: str | Path = ".") -> Config:
         health=backends.health,
         supervisor=backends.supervisor,
         routing=backends.routing,
+        media=backends.media,
         backends=tuple(backends.backends),
         policies=Policies(**policies),
     )

@@ -78,6 +78,10 @@ class TasksPolicy(Section, frozen=True):
     max_open_per_account: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 20
     # How long a finished task's result (and its media) can be polled.
     result_ttl_s: Annotated[int, msgspec.Meta(ge=60, le=30 * 86400)] = 86_400
+    # The media (audio, images, video) one account may keep at once, in bytes: a task whose
+    # media would pass it fails (not charged), and while an account is at it, its async
+    # requests get 429 until older media expires.
+    max_media_bytes_per_account: Annotated[int, msgspec.Meta(ge=1, le=1 << 50)] = 512 << 20
     # A task whose worker stopped (crashed) is taken over by another after this long.
     claim_idle_s: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 30.0
     # Tasks one worker process runs at once.

@@ -81,10 +81,12 @@ class Result:
         self.status = Outcome.COMPLETED
 
     def failed(self, error: GatewayError) -> None:
-        """The request failed once running: the client's own fault (a 4xx) is not put down
-        to the upstream."""
+        """The request failed once running: the client's own fault (a 4xx), or the gateway's
+        own store (the media store), is not put down to the upstream."""
         if self.status is Outcome.UPSTREAM_ERROR and 400 <= error.status < 500:
             self.status = Outcome.CLIENT_ERROR
+        elif self.status is Outcome.UPSTREAM_ERROR and error.store is not None:
+            self.status = Outcome.FAILED
 
 
 class Stage(enum.Enum):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import msgspec
 
+from proxy.blobs import describe_media, media_problem
 from proxy.config import Config
 from proxy.runtime.embedded_redis import RedisStartError, SupervisedRedis
 from proxy.runtime.signal_scraper import SignalScraper
@@ -214,11 +215,17 @@ def serve(config: Config, *, host: str | None, port: int | None,
             limits = RedisProcess(config.data_dir / "redis-limits", persistent=False)
             embedded.append(SupervisedRedis("rate-limit", limits))
             os.environ[RATE_LIMIT_URL_ENV] = limits.url  # inherited by the workers
+    problem = asyncio.run(media_problem(config.media, str(config.data_dir)))
+    if problem:
+        print(f"cannot use the media store ([media] in backends.toml): {problem}",
+              file=sys.stderr)
+        return 1
     _metrics_dir(config)
     models = ", ".join(app_models(config)) or "none"
     supervised = ", ".join(b.name for b in config.backends if b.command) or "none"
-    print(f"inference gateway on http://{host}:{port} (redis: {where}; models: "
-          f"{models}; workers: {count}; supervised backends: {supervised})", flush=True)
+    print(f"inference gateway on http://{host}:{port} (redis: {where}; media: "
+          f"{describe_media(config.media, str(config.data_dir))}; models: {models}; workers: "
+          f"{count}; supervised backends: {supervised})", flush=True)
     return run_master(config, host=host, port=port, workers=count, redis_url=redis_url,
                       embedded=embedded)
 

@@ -1,11 +1,11 @@
 """Running one queued task: the request path after admission, without a client connection.
 
-The task's spec says which route's path runs it and carries the client's body; the worker parses
-it again under the policies in force when it runs, picks the pool, produces the answer as the
-route would (proxy.families, proxy.tasks.network), keeps it (audio and video as media, for
-`/v2/audio/media/{key}`), and settles the hold placed at submission: charged what it used when
-it completed, released when it failed. A task that is no longer running (finished by a worker
-whose entry was reclaimed, or expired) is left alone.
+The task's spec says which route's path runs it and carries the client's body; the worker parses it
+again under the policies in force when it runs, picks the pool, produces the answer as the route
+would (proxy.families, proxy.tasks.network), keeps it (audio and video in the media store,
+proxy.blobs, for `/v2/audio/media/{key}`), and settles the hold placed at submission: charged what
+it used when it completed, released when it failed. A task that is no longer running (finished by a
+worker whose entry was reclaimed, or expired) is left alone.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Any, cast
 
 import orjson
 
+from proxy.blobs.base import StoreFailed
+from proxy.blobs.media import MediaStore
 from proxy.credits.admission import Hold
 from proxy.credits.meter import Meter, Metering, Result
-from proxy.errors import ErrorKind, GatewayError
+from proxy.errors import ErrorKind, GatewayError, media_cap_reached, store_unavailable
 from proxy.families.base import Answer, Ctx, Family
 from proxy.families.chat import complete, parsed_call
 from proxy.identity.principal import Principal, PrincipalKind
@@ -29,8 +31,8 @@ from proxy.tasks.store import TaskStore
 Runnable = Family | ChatStyle  # what a task's `route` names
 
 
-async def run_task(ctx: Ctx, store: TaskStore, metering: Metering, spec: TaskSpec,
-                   runnable: Runnable | None) -> None:
+async def run_task(ctx: Ctx, store: TaskStore, media: MediaStore, metering: Metering,
+                   spec: TaskSpec, runnable: Runnable | None) -> None:
     """Run `spec` (its record says it is still running), keep its result, settle its hold."""
     policies = ctx.policies
     ttl = policies.requests.tasks.result_ttl_s
@@ -42,7 +44,7 @@ async def run_task(ctx: Ctx, store: TaskStore, metering: Metering, spec: TaskSpe
         if isinstance(runnable, Family):
             answer = await _produce(ctx, store, runnable, spec)
             result.answered(used=answer.used)
-            kept = await _kept(store, spec, answer, ttl)
+            kept = await _kept(ctx, media, spec, answer)
         else:
             kept = await _chat(ctx, store, runnable, spec, result)
         result.delivered()
@@ -66,12 +68,19 @@ async def _produce(ctx: Ctx, store: TaskStore, family: Family, spec: TaskSpec) -
                                 lambda answer: {"task_id": spec.id})
 
 
-async def _kept(store: TaskStore, spec: TaskSpec, answer: Answer, ttl: int) -> Any:
-    """The task's result: JSON answers as they are; audio and video kept as media."""
-    media = answer.content_type.partition(";")[0].strip().lower()
-    if media == "application/json":
+async def _kept(ctx: Ctx, media: MediaStore, spec: TaskSpec, answer: Answer) -> Any:
+    """The task's result: JSON answers as they are; audio, images and video kept in the media
+    store, under the account's cap (past it the task fails, and is not charged)."""
+    if answer.content_type.partition(";")[0].strip().lower() == "application/json":
         return orjson.loads(answer.body)
-    key = await store.put_media(spec.account, answer.content_type, answer.body, ttl)
+    policy = ctx.policies.requests.tasks
+    try:
+        key = await media.keep(spec.account, answer.content_type, answer.body,
+                               ttl_s=policy.result_ttl_s, cap=policy.max_media_bytes_per_account)
+    except StoreFailed:
+        raise store_unavailable("media store") from None
+    if key is None:
+        raise media_cap_reached(policy.max_media_bytes_per_account)
     return {"media_key": key, "media_url": f"/v2/audio/media/{key}",
             "content_type": answer.content_type, "bytes": len(answer.body),
             **{k.lower().replace("-", "_").removeprefix("x_"): v

@@ -1,13 +1,12 @@
-"""Task records, their queue and their media, in Redis.
+"""Task records and their queue, in Redis (their media: proxy.blobs).
 
-Per account A (hash tag `{A}`: the poll and media routes look under the caller's own account, so
-another account's task or media is simply not there: 404):
+Per account A (hash tag `{A}`: the poll route looks under the caller's own account, so another
+account's task is simply not there: 404):
 
     igw:{A}:task:<id>     hash    status (running | completed | failed), spec, result or error,
                                   created_at, updated_at; expires `result_ttl_s` after it ends
                                   (while running: after `result_ttl_s` plus the longest run)
     igw:{A}:tasks_open    string  tasks submitted and not yet ended (the per-account cap)
-    igw:{A}:media:<key>   hash    content_type, data: a finished task's audio or video
 
 The queue is one stream, `igw:tasks` (entries name the account and task), read by the consumer
 group `igw-runners` (proxy.tasks.runner).
@@ -16,7 +15,6 @@ group `igw-runners` (proxy.tasks.runner).
 from __future__ import annotations
 
 import contextlib
-import secrets
 import time
 from typing import Any
 
@@ -61,10 +59,6 @@ def task_key(account: str, task_id: str) -> str:
 
 def open_key(account: str) -> str:
     return f"igw:{{{account}}}:tasks_open"
-
-
-def media_key(account: str, key: str) -> str:
-    return f"igw:{{{account}}}:media:{key}"
 
 
 def _text(value: object) -> str:
@@ -142,20 +136,3 @@ class TaskStore:
             pipe.hset(name, mapping=fields)
             pipe.expire(name, ttl_s)
             await pipe.execute()
-
-    async def put_media(self, account: str, content_type: str, data: bytes, ttl_s: int) -> str:
-        """Keep a task's audio or video for its owner; returns the media key."""
-        key = secrets.token_hex(16)
-        name = media_key(account, key)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(name, mapping={"content_type": content_type, "data": data})
-            pipe.expire(name, ttl_s)
-            await pipe.execute()
-        return key
-
-    async def media(self, account: str, key: str) -> tuple[str, bytes] | None:
-        content_type, data = await self.redis.hmget(media_key(account, key), "content_type",
-                                                    "data")
-        if content_type is None or data is None:
-            return None
-        return _text(content_type), data if isinstance(data, bytes) else data.encode()

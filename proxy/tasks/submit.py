@@ -2,7 +2,9 @@
 
 The request was admitted like any other (rate limit counted, worst case held); the hold goes
 with the task (`Meter.handed_off`), and the worker that runs it settles it. Past the account's
-cap on open tasks the answer is 429 and the hold is released as for any refused request.
+cap on open tasks, or while it keeps
+all the media it may (a task that would make media), the answer is 429 and the hold is released
+as for any refused request.
 """
 
 from __future__ import annotations
@@ -13,20 +15,30 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from proxy.blobs.base import StoreFailed
+from proxy.blobs.media import MediaStore
 from proxy.credits.meter import Meter
-from proxy.errors import ErrorKind, GatewayError, store_unavailable
+from proxy.errors import ErrorKind, GatewayError, media_cap_reached, store_unavailable
 from proxy.families.base import Ctx
 from proxy.tasks.spec import TaskSpec
 from proxy.tasks.store import TaskStore
 
 
 async def submit(ctx: Ctx, store: TaskStore, meter: Meter, *, route: str, body: bytes,
-                 params: dict[str, str], task_id: str, mode: str, cap: int | None = None
-                 ) -> web.Response:
+                 params: dict[str, str], task_id: str, mode: str, cap: int | None = None,
+                 media: MediaStore | None = None) -> web.Response:
     """Queue the request as a task (`route` names the path that runs it, `body` the client's
-    JSON, `params` the route's path parameters) and answer 202."""
+    JSON, `params` the route's path parameters) and answer 202. `media`: where its answer would
+    be kept (a family's task), checked for room first."""
     policy = ctx.policies.requests.tasks
     principal, hold = meter.principal, meter.hold
+    if media is not None:
+        try:
+            room = await media.room(principal.account, policy.max_media_bytes_per_account)
+        except StoreFailed:
+            raise store_unavailable("media store") from None
+        if not room.fits:
+            raise media_cap_reached(policy.max_media_bytes_per_account)
     spec = TaskSpec(
         id=task_id, route=route, body=body, params=params, headers=_forwardable(ctx),
         account=principal.account, tier=principal.tier, kind=principal.kind,

@@ -180,7 +180,8 @@ async def test_a_result_too_large_to_keep_is_not_run_again(
     retry is told so (409) rather than run and charged again."""
     from proxy.credits import idempotency
 
-    monkeypatch.setattr(idempotency, "MAX_STORED_BYTES", 10)
+    monkeypatch.setattr(idempotency, "INLINE_BYTES", 10)
+    monkeypatch.setattr(idempotency, "MAX_STORED_BYTES", 20)
     sim = await simulator()
     gw = await gateway(sim, policies={"prices.toml": PRICES})
     key = await funded_key(clean_redis.url)

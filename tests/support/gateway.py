@@ -50,7 +50,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
                     server: dict[str, Any] | None = None,
                     policies: dict[str, str] | None = None,
                     resolver: AbstractResolver | None = None,
-                    settings: dict[str, Any] | None = None) -> TestServer:
+                    settings: dict[str, Any] | None = None,
+                    media: dict[str, Any] | None = None) -> TestServer:
         backends = []
         for i, up in enumerate(upstreams):
             if isinstance(up, dict):
@@ -62,7 +63,7 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
             })
         policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
         folder = write_config(tmp_path / "config", backends, upstream=upstream, server=server,
-                              policies=policies, gateway=settings)
+                              policies=policies, gateway=settings, media=media)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url,
                                          resolver=resolver)
         gw = GatewayTestServer(app)

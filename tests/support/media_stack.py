@@ -170,7 +170,7 @@ async def media(gateway: GatewayFactory, simulator: SimulatorFactory, aiohttp_se
                     extra_ports: list[int] | None = None, asr_api: str = "openai",
                     tts_backend: dict[str, Any] | None = None,
                     resolver: AbstractResolver | None = None,
-                    tiers: str = TIERS) -> Media:
+                    tiers: str = TIERS, store: dict[str, Any] | None = None) -> Media:
         options = sim_options or {}
         sims = {
             "tts": await simulator("tts", (TTS_MODEL,), **options.get("tts", {})),
@@ -199,7 +199,7 @@ async def media(gateway: GatewayFactory, simulator: SimulatorFactory, aiohttp_se
             backend("video-a", "video", sims["video"], VIDEO_MODEL, provider="acme"),
             policies={"prices.toml": PRICES, "tiers.toml": tiers,
                       "requests.toml": fetch_toml + requests_toml},
-            resolver=resolver)
+            resolver=resolver, media=store)
         return Media(gw, sims, audio, files, internal, internal_seen, Ledger(redis), redis,
                      clean_redis.url)
 

@@ -80,10 +80,12 @@ from proxy.tasks.run import Runnable
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
+from proxy.upstream.dispatch import Dispatcher
 from proxy.upstream.fetch import MediaFetcher, rules_from
 from proxy.upstream.fleet_state import fleet_key, signals_key
 from proxy.upstream.pool import Router
 from proxy.upstream.prober import FleetSync, Prober, probe_session
+from proxy.upstream.slots import SlotLedger
 
 log = logging.getLogger("proxy")
 
@@ -292,13 +294,19 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
 def _upstreams_ctx(resolver: AbstractResolver | None
                    ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[UPSTREAMS] = Upstreams(app[CONFIG].upstream, app[METRICS])
+        config = app[CONFIG]
+        ledger = SlotLedger(app[COUNTERS]) if config.routing.dispatch else None
+        app[UPSTREAMS] = Upstreams(config.upstream, app[METRICS],
+                                   Dispatcher(ledger, app[METRICS]))
+        heartbeat = asyncio.create_task(app[UPSTREAMS].dispatcher.run())
         app[DRAIN] = Drain(app[UPSTREAMS].abort_open)
         # Each fetch follows the live policy (MediaFetcher.follow); this is the first.
         app[FETCHER] = MediaFetcher(rules_from(app[CONFIG].policies.requests.fetch),
                                     resolver=resolver)
         yield
         await app[FETCHER].close()
+        await stop_task(heartbeat)
+        await app[UPSTREAMS].dispatcher.close()
         await app[UPSTREAMS].close()
 
     return upstreams_ctx

@@ -73,6 +73,7 @@ from proxy.tasks.network import choose_mode, network_answer, network_chat
 from proxy.tasks.run import Runnable, run_task
 from proxy.tasks.submit import submit
 from proxy.upstream.pool import Pool
+from proxy.upstream.queue import ticket_for
 from proxy.upstream.relay import send_whole
 
 # Streams that broke after the 200 went out: the client saw an in-band error event.
@@ -128,7 +129,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     cap = cap or policies.prices.default_max_tokens  # what the hold assumes, the upstream gets
     if context is not None:
         cap = min(cap, context)  # the engine stops at its context anyway: hold no more
-    ctx = _ctx(request, policies)
+    ctx = _ctx(request, policies, principal)
     meter = app[METERING].chat(policies.prices, principal, call.model, mode, style.name,
                                ctx.request_id, call.openai_body, cap)
     result = Result(captured=[] if claim else None)
@@ -209,7 +210,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         await _count_refused(request, principal, tier)
         raise
 
-    ctx = _ctx(request, policies)
+    ctx = _ctx(request, policies, principal)
     meter = app[METERING].units(policies.prices, principal, pool.model, mode, family.name,
                                 ctx.request_id, job.worst)
     result = Result()
@@ -260,15 +261,17 @@ async def queued(app: web.Application, routes: Mapping[str, Runnable], account: 
     if found is None or found[0] != "running":
         return  # expired, or another worker ended it
     spec = found[1]
-    ctx = Ctx(app[LIVE].current.policies, app[ROUTER], app[UPSTREAMS], app[FETCHER],
-              spec.request_id, spec.headers)
+    policies = app[LIVE].current.policies
+    ctx = Ctx(policies, app[ROUTER], app[UPSTREAMS], app[FETCHER], spec.request_id,
+              spec.headers, ticket_for(spec.tier, policies.tiers.tiers, spec.account))
     await run_task(ctx, store, app[MEDIA], app[METERING], spec, routes.get(spec.route))
 
 
-def _ctx(request: web.Request, policies: Policies) -> Ctx:
+def _ctx(request: web.Request, policies: Policies, principal: Principal) -> Ctx:
     app = request.app
     return Ctx(policies, app[ROUTER], app[UPSTREAMS], app[FETCHER], request[REQUEST_ID],
-               request.headers)
+               request.headers, ticket_for(principal.tier, policies.tiers.tiers,
+                                           principal.account))
 
 
 def _traced(request: web.Request, principal: Principal) -> None:

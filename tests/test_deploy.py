@@ -28,6 +28,7 @@ from proxy.observe.metrics import Labels, Metrics
 from proxy.runtime.signal_scraper import SignalScraper
 from proxy.store.redis_process import RedisProcess
 from proxy.upstream.fleet_state import signals_key
+from tests.support.accounts import new_key
 from tests.support.config_files import MODEL
 from tests.support.gateway import GatewayFactory, settled
 from tests.support.upstreams import SimulatorFactory
@@ -333,10 +334,18 @@ requests_per_minute = 1
 families = ["chat"]
 models = { "*" = ["direct"] }
 
+[tiers.pro]
+requests_per_minute = 100000
+families = ["chat"]
+models = { "*" = ["direct"] }
+priority = 1
+max_queue_wait_s = 0
+
 [tiers.max]
 requests_per_minute = 100000
 families = ["chat", "tts", "asr", "image", "video"]
 models = { "*" = ["direct", "network"] }
+priority = 2
 """
 PRICES = """
 version = "deploy-test"
@@ -351,7 +360,11 @@ async def test_dashboard_metrics_appear_in_a_live_scrape(
     simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess
 ) -> None:
     sim = await simulator("vllm")
-    gw = await gateway(sim, policies={"tiers.toml": TIERS, "prices.toml": PRICES})
+    # A one-slot engine, so the gateway's queue is used: one request waits, one is shed.
+    slow = await simulator("vllm", models=("acme/slow",), ttft_ms=300)
+    gw = await gateway(sim, {"name": "slow", "kind": "vllm", "models": ["acme/slow"],
+                             "url": str(slow.make_url("/")).rstrip("/"), "max_concurrency": 1},
+                       policies={"tiers.toml": TIERS, "prices.toml": PRICES})
     redis = Redis.from_url(clean_redis.url)
     try:  # the fixture's key belongs to acct-test; give it credits so charges are counted
         await Ledger(redis).credit("acct-test", 10**9, {"reason": "test"})
@@ -374,7 +387,17 @@ async def test_dashboard_metrics_appear_in_a_live_scrape(
         ({}, {"model": MODEL, "messages": hello, "max_tokens": 8}, 429),  # ... over its limit
         ({**key, "x-sim-status": "500"}, {"model": MODEL, "messages": hello}, 502),
     ]
+    pro = {"X-API-Key": await new_key(clean_redis.url, "pro", account="acct-test")}
     async with aiohttp.ClientSession() as session:
+        async def slow_call(headers: dict[str, str]) -> int:
+            async with session.post(gw.make_url(CHAT), headers=headers, json={
+                    "model": "acme/slow", "messages": [{"role": "user", "content": "Hi"}]}) as r:
+                return r.status
+
+        queued = [asyncio.create_task(slow_call(key)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        assert await slow_call(pro) == 503  # the one slot is taken and pro may not wait
+        assert await asyncio.gather(*queued) == [200, 200]
         for headers, body, expected in calls:
             async with session.post(gw.make_url(CHAT), data=orjson.dumps(body), headers={
                     "Content-Type": "application/json", **headers}) as response:

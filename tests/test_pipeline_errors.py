@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.support.chat import CHAT, HELLO, client_for, post
-from tests.support.config_files import MODEL
+from tests.support.config_files import GENEROUS_TIERS, MODEL
 from tests.support.gateway import GatewayFactory
 from tests.support.upstreams import SimulatorFactory, sim_requests
 
@@ -106,19 +106,29 @@ async def test_unknown_route_and_method(setup: Any) -> None:
             assert "POST" in response.headers["Allow"]
 
 
+@pytest.mark.parametrize("dispatch", [False, True])
 async def test_no_available_backend_is_fast_503(simulator: SimulatorFactory,
-                                                gateway: GatewayFactory) -> None:
+                                                gateway: GatewayFactory, dispatch: bool) -> None:
+    """Without the dispatcher each worker answers 503 past a backend's cap; with it, a tier
+    that may not wait (max_queue_wait_s = 0) gets 503 pool_saturated at once."""
     sim = await simulator("vllm", tokens_per_s=5)
     gw = await gateway({"name": "one", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
-                        "models": [MODEL], "max_concurrency": 1})
+                        "models": [MODEL], "max_concurrency": 1},
+                       routing={"dispatch": dispatch},
+                       policies={"tiers.toml": GENEROUS_TIERS.replace(
+                           '[tiers.max]', 'max_queue_wait_s = 0\n\n[tiers.max]')})
     async with aiohttp.ClientSession() as session:
         first = await session.post(gw.make_url(CHAT), json={"model": MODEL, "messages": HELLO,
                                                             "stream": True})
         await first.content.readline()  # the one slot is now taken
         status, headers, raw = await post(gw, {"model": MODEL, "messages": HELLO})
         first.close()
-    assert status == 503 and headers["Retry-After"] == "1"
-    assert "concurrency limit" in orjson.loads(raw)["error"]["message"]
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    error = orjson.loads(raw)["error"]
+    if dispatch:
+        assert error["type"] == "pool_saturated" and "would wait" in error["message"]
+    else:
+        assert "concurrency limit" in error["message"]
 
 
 async def test_openapi_document_describes_the_chat_route(setup: Any) -> None:

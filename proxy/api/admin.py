@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 from redis.exceptions import RedisError, ResponseError
 
-from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER
+from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
@@ -189,8 +189,14 @@ async def list_backends(request: web.Request) -> web.Response:
     state, pid and restarts are the master's)."""
     await require_admin(request)
     backends = request.app[ROUTER].backends
-    return _json({"object": "list", "worker_pid": os.getpid(),
-                  "data": [backend_view(b) for b in backends]})
+    dispatcher = request.app[UPSTREAMS].dispatcher
+    in_use = await dispatcher.in_flight()
+    # The gateway's queue: requests waiting for a slot in this worker, by pool and tier.
+    return _json({"object": "list", "worker_pid": os.getpid(), "queues": dispatcher.waiting(),
+                  "data": [{**backend_view(b), "slots": {
+                      "max": b.spec.max_concurrency,
+                      "in_use": None if in_use is None else in_use.get(b.name, 0)}}
+                      for b in backends]})
 
 
 def backend_view(backend: Backend) -> dict[str, Any]:

@@ -82,6 +82,10 @@ class BackendSpec(Section, frozen=True):
     kind: BackendKind
     url: NonEmpty
     models: Annotated[list[NonEmpty], msgspec.Meta(min_length=1)]
+    # The requests its engine runs at once (its batch: vLLM --max-num-seqs, TGI
+    # --max-concurrent-requests, a speech or image server's concurrency). With [routing]
+    # dispatch, the whole fleet sends it at most this many (beyond them requests wait in the
+    # gateway's queue, in tier order); without, each worker does (503 beyond).
     max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
     # The pools this backend is in: "direct" (one backend answers) and/or "network" (the request
     # runs on several backends of the network pool and a quorum must agree); a backend may be in
@@ -89,6 +93,10 @@ class BackendSpec(Section, frozen=True):
     modes: Annotated[list[Mode], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=_direct_only)
     weight: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # kind "vllm" started with `--scheduling-policy priority`: each request carries its tier's
+    # priority (tiers.toml `priority`, sent negated: vLLM runs lower values first), so a
+    # higher tier also goes first in the engine's own queue. Off: vLLM refuses any priority.
+    priority_scheduling: bool = False
     # Client headers passed upstream as they are: exact names or prefixes ending in `*`
     # (the simulators read `x-sim-*` fault headers). Nothing else from the client goes upstream.
     forward_headers: list[NonEmpty] = []
@@ -151,6 +159,11 @@ class RoutingSection(Section, frozen=True):
     # "engine": the lowest load by the engines' own figures; "p2c": two random choices.
     pick: Pick = "prefix"
     models: dict[str, Pick] = {}  # per model, over `pick`
+    # Hold requests beyond the engines' slots (each backend's `max_concurrency`, counted across
+    # every worker and gateway host) in the gateway's queue, in tier order
+    # (proxy.upstream.dispatch); off: each worker sends up to `max_concurrency` per backend and
+    # answers 503 beyond it.
+    dispatch: bool = True
     # "prefix" passes over a replica above (1 + load_bound) x the pool's mean load.
     load_bound: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.25
     # The engine load score: waiting, running, KV-cache use (0-1), and the requests this worker

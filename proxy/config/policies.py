@@ -183,6 +183,12 @@ class TierPolicy(Section, frozen=True):
     # Backpressure: refused (503 pool_saturated, nothing held) while the model's engines have
     # this many requests waiting per replica, or more; unset: never refused for that.
     queue_budget: Annotated[int, msgspec.Meta(ge=0, le=100_000)] | None = None
+    # The gateway's queue (backends.toml [routing] dispatch): when a pool's engine slots are
+    # all taken, a higher priority always runs first; a request that would wait longer than
+    # max_queue_wait_s gets 503 pool_saturated with Retry-After at once, and one that waited
+    # that long gets it then.
+    priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
 
 
 _ALL_FAMILIES: list[Family] = ["chat", "tts", "asr", "image", "video"]
@@ -196,13 +202,14 @@ def _default_tiers() -> dict[str, TierPolicy]:
     return {
         "guest": TierPolicy(requests_per_minute=3, families=_ALL_FAMILIES,
                             models={ANY_GROUP: _BOTH_MODES}, max_tokens_per_request=512,
-                            fallback_requests_per_minute=1),
+                            fallback_requests_per_minute=1, priority=0, max_queue_wait_s=2),
         "basic": TierPolicy(requests_per_minute=20, families=["chat", "tts", "asr"],
-                            models=basic),
+                            models=basic, priority=1, max_queue_wait_s=5),
         "pro": TierPolicy(requests_per_minute=60, families=["chat", "tts", "asr", "image"],
-                          models=pro),
+                          models=pro, priority=2, max_queue_wait_s=15),
         "max": TierPolicy(requests_per_minute=130, families=_ALL_FAMILIES,
-                          models={**pro, "large-chat": _BOTH_MODES}),
+                          models={**pro, "large-chat": _BOTH_MODES}, priority=3,
+                          max_queue_wait_s=30),
     }
 
 

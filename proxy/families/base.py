@@ -24,6 +24,7 @@ from proxy.http.body import read_json
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher
 from proxy.upstream.pool import Pool, Router
+from proxy.upstream.queue import Ticket
 from proxy.upstream.relay import send_whole
 from proxy.validate import RequestInvalid
 
@@ -32,7 +33,8 @@ from proxy.validate import RequestInvalid
 class Ctx:
     """What the work after admission needs, with or without a client connection: the worker's
     long-lived objects, the one policy snapshot the request runs under, the request id (sent
-    upstream), and the client's headers (backends' `forward_headers` pick from them)."""
+    upstream), the client's headers (backends' `forward_headers` pick from them), and its
+    place in the queue for an engine slot (proxy.upstream.dispatch)."""
 
     policies: Policies
     router: Router
@@ -40,6 +42,7 @@ class Ctx:
     fetcher: MediaFetcher
     request_id: str
     client_headers: Mapping[str, str]
+    ticket: Ticket | None = None
 
 
 @dataclass(slots=True)

@@ -93,6 +93,13 @@ def check_context(call: ChatCall, context: int | None) -> None:
         }])
 
 
+def engine_priority(ctx: Ctx, backend: Backend) -> int | None:
+    """The tier's priority for an engine that schedules by it (vLLM: lower runs earlier)."""
+    if not backend.spec.priority_scheduling or ctx.ticket is None:
+        return None
+    return -ctx.ticket.priority
+
+
 def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> bytes | None:
     """The prefix a "prefix" pool keeps on one replica (hashed only where it is used)."""
     if pool.pick_kind != "prefix":
@@ -113,7 +120,8 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
     }
 
     def body_for(backend: Backend) -> bytes:
-        return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap)
+        return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap,
+                                  engine_priority(ctx, backend))
 
     async def relay(backend: Backend, upstream: http1.Response) -> web.StreamResponse:
         if call.stream:
@@ -129,7 +137,7 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
 
     return await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
                                     ctx.client_headers, relay,
-                                    affinity(pool, call, ctx.client_headers))
+                                    affinity(pool, call, ctx.client_headers), ctx.ticket)
 
 
 async def complete(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, pool: Pool, mode: str,
@@ -155,8 +163,9 @@ async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
 
     return await ctx.upstreams.call(
         pool, CHAT_UPSTREAM_PATH,
-        lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap), headers,
-        ctx.client_headers, use, affinity(pool, call, ctx.client_headers))
+        lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap,
+                                           engine_priority(ctx, backend)), headers,
+        ctx.client_headers, use, affinity(pool, call, ctx.client_headers), ctx.ticket)
 
 
 async def read_completion(upstream: http1.Response) -> dict[str, Any]:

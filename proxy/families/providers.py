@@ -76,7 +76,7 @@ class Generation(Family):
             return Answer(raw, content_type, used)
 
         return await ctx.upstreams.call(pool, self.path, lambda b: body, headers,
-                                        ctx.client_headers, use)
+                                        ctx.client_headers, use, ticket=ctx.ticket)
 
 
 IMAGE = Generation("image", "/v1/images/generations")

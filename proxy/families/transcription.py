@@ -98,7 +98,7 @@ class SpeechRecognition(Family):
 
         return await ctx.upstreams.call(
             pool, lambda b: asr.upstream_path(req, b.spec.api), lambda b: forms[b.spec.api],
-            headers, ctx.client_headers, use)
+            headers, ctx.client_headers, use, ticket=ctx.ticket)
 
 
 class OpenAITranscription(SpeechRecognition):

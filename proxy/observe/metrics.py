@@ -126,6 +126,17 @@ class Metrics:
         self.backend_in_flight = Gauge(
             "igw_backend_in_flight", "Requests open on each backend (all workers).",
             ("backend",), multiprocess_mode="livesum", registry=r)
+        self.queue_waiting = Gauge(
+            "igw_queue_waiting", "Requests waiting in the gateway's queue for an engine slot, by "
+            "model and tier (all workers).", ("model", "tier"), multiprocess_mode="livesum",
+            registry=r)
+        self.queue_wait = Histogram(
+            "igw_queue_wait_seconds", "Time requests waited in the gateway's queue for a slot "
+            "(those that got one).", ("model", "tier"), buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_shed = Counter(
+            "igw_queue_shed", "Requests the queue answered 503: at once (`expected`: their "
+            "tier's longest wait would pass) or after waiting it (`waited`).",
+            ("model", "tier", "reason"), registry=r)
         self.ejections = Counter(
             "igw_backend_ejections", "Times a backend was ejected after consecutive failures.",
             ("backend",), registry=r)
@@ -154,7 +165,8 @@ class Metrics:
         # The histograms' buckets as they were made, for `observe` to count into.
         self._histogram_bounds = {id(self.duration): bucket_bounds(LATENCY_BUCKETS),
                                   id(self.first_token): bucket_bounds(FIRST_TOKEN_BUCKETS),
-                                  id(self.upstream_latency): bucket_bounds(LATENCY_BUCKETS)}
+                                  id(self.upstream_latency): bucket_bounds(LATENCY_BUCKETS),
+                                  id(self.queue_wait): bucket_bounds(LATENCY_BUCKETS)}
 
     # --- the hot path: tallied in plain dicts, written to the metric values by `flush` ------
 
@@ -233,6 +245,18 @@ class Metrics:
         name = self.labels.backend(backend)
         self.live(self.child(self.backend_in_flight, name), 1)
         return name
+
+    def queued(self, model: str, tier: str, change: int) -> None:
+        self.live(self.child(self.queue_waiting, self.labels.model(model),
+                             self.labels.tier(tier)), change)
+
+    def waited(self, model: str, tier: str, seconds: float) -> None:
+        self.observe(self.child(self.queue_wait, self.labels.model(model),
+                                self.labels.tier(tier)), seconds)
+
+    def shed(self, model: str, tier: str, reason: str) -> None:
+        self.add(self.child(self.queue_shed, self.labels.model(model), self.labels.tier(tier),
+                            reason))
 
     def upstream_answered(self, name: str, seconds: float) -> None:
         self.observe(self.child(self.upstream_latency, name), seconds)

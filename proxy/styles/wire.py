@@ -48,17 +48,24 @@ class UpstreamStreamError(Exception):
         self.busy = busy
 
 
-def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int) -> bytes:
+def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int,
+                  priority: int | None = None) -> bytes:
     """The JSON to POST to an OpenAI-compatible backend of `kind`.
 
     `cap` is the completion cap the credit hold was computed with: it always goes upstream,
     whatever the client named (or did not), so no token is ever generated beyond the hold.
     OpenAI itself wants `max_completion_tokens` (its reasoning models refuse `max_tokens`); the
-    servers behind the other kinds all read `max_tokens`."""
+    servers behind the other kinds all read `max_tokens`.
+
+    A client's own `priority` never goes upstream (it would jump the tier order in an engine
+    that schedules by priority); `priority` is the gateway's, for a vLLM backend that does
+    (`priority_scheduling`): lower runs earlier there."""
     drop = GATEWAY_FIELDS if kind == "vllm" else GATEWAY_FIELDS | VLLM_ONLY_FIELDS
     out = {key: value for key, value in body.items() if value is not None and key not in drop
-           and key not in _CAP_FIELDS}
+           and key not in _CAP_FIELDS and key != "priority"}
     out["max_completion_tokens" if kind == "openai" else "max_tokens"] = cap
+    if priority is not None and kind == "vllm":
+        out["priority"] = priority
     if stream:
         options = dict(out.get("stream_options") or {})
         options["include_usage"] = True

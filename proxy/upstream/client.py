@@ -34,7 +34,9 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import current_backend
 from proxy.upstream import http1
+from proxy.upstream.dispatch import Dispatcher
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
+from proxy.upstream.queue import Ticket
 
 log = logging.getLogger("proxy.upstream")
 T = TypeVar("T")
@@ -62,9 +64,11 @@ class UpstreamFailure(GatewayError):
 class Upstreams:
     """The worker's keep-alive connections to every backend (proxy.upstream.http1)."""
 
-    def __init__(self, settings: UpstreamSection, metrics: Metrics) -> None:
+    def __init__(self, settings: UpstreamSection, metrics: Metrics,
+                 dispatcher: Dispatcher | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.dispatcher = dispatcher or Dispatcher(None, metrics)
         self.http = http1.Client(connect_timeout_s=settings.connect_timeout_s,
                                  first_byte_timeout_s=settings.first_byte_timeout_s,
                                  idle_timeout_s=settings.idle_timeout_s)
@@ -114,6 +118,7 @@ class Upstreams:
         client_headers: Mapping[str, str],
         use: Callable[[Backend, http1.Response], Awaitable[T]],
         key: bytes | None = None,
+        ticket: Ticket | None = None,
     ) -> T:
         """`exchange` with a backend picked from `pool`, its 2xx response given to `use`;
         retried once on another backend when the failure is retryable. `key`: the request's
@@ -122,10 +127,14 @@ class Upstreams:
         A failure is retryable only while the client has had no byte: an error status, or one
         that `use` raises as retryable (a stream that failed before its first event). `path` may
         depend on the backend (ASR servers of two wires in one pool).
+
+        The backend comes from the dispatcher (proxy.upstream.dispatch): with a slot held for
+        this request, waiting in `ticket`'s place in the queue while the pool has none free.
         """
-        backend = pool.pick(key=key)
+        backend = await self.dispatcher.acquire(pool, ticket, key=key)
         retried = False
         while True:
+            taken_at = time.monotonic()
             sent = {**headers, **backend.forward.select(client_headers), **backend.auth}
             try:
                 where = path if isinstance(path, str) else path(backend)
@@ -134,11 +143,14 @@ class Upstreams:
             except UpstreamFailure as failure:
                 if retried or not failure.retryable or self._aborting:  # not while draining
                     raise
-                try:
-                    backend = pool.pick(exclude=backend, key=key)
-                except GatewayError:
-                    raise failure from None
-                retried = True
+                failed = failure
+            finally:
+                self.dispatcher.release(pool, backend, time.monotonic() - taken_at)
+            try:
+                backend = await self.dispatcher.acquire(pool, ticket, key=key, exclude=backend)
+            except GatewayError:
+                raise failed from None
+            retried = True
 
     @asynccontextmanager
     async def exchange(

@@ -221,12 +221,15 @@ class Saturation:
 class Pool:
     """The backends that can serve one model for one task family."""
 
-    __slots__ = ("backends", "load_bound", "model", "pick_kind", "weights")
+    __slots__ = ("backends", "key", "load_bound", "model", "pick_kind", "weights")
 
     def __init__(self, model: str, backends: Sequence[Backend], pick_kind: PickKind = "p2c",
-                 routing: RoutingSection | None = None) -> None:
+                 routing: RoutingSection | None = None, key: str | None = None) -> None:
         self.model = model
         self.backends = tuple(backends)
+        # Its name in the dispatcher's shared state (proxy.upstream.slots): the same in every
+        # worker and on every host with the same backends.toml.
+        self.key = key or f"{model}@{','.join(b.name for b in self.backends)}"
         self.pick_kind: PickKind = pick_kind
         r = routing or RoutingSection()
         self.weights = Weights.of(r)
@@ -245,15 +248,24 @@ class Pool:
     def pick(self, exclude: Backend | None = None, rng: random.Random | None = None,
              key: bytes | None = None) -> Backend:
         """A backend for one request (`key`: its prefix affinity, for the "prefix" pick)."""
-        candidates = [b for b in self.backends if b.available and b is not exclude]
+        chosen = self.preferred(exclude, rng, key)[0]
+        chosen.sent.append(time.time())
+        return chosen
+
+    def preferred(self, exclude: Backend | None = None, rng: random.Random | None = None,
+                  key: bytes | None = None, capped: bool = True) -> list[Backend]:
+        """The available backends (`capped`: below this worker's cap too; else healthy), the
+        pick's choice first, then the others by this worker's requests in flight per unit of
+        weight: where a request goes if its first choice has no free slot. 503 when none."""
+        candidates = [b for b in self.backends
+                      if (b.available if capped else b.healthy) and b is not exclude]
         if not candidates:
             raise self._none_available(exclude)
-        now = time.time()
         chosen = choose(self.pick_kind, candidates, key=key, weights=self.weights,
-                        load_bound=self.load_bound, now=now, rng=rng or _RNG)
+                        load_bound=self.load_bound, now=time.time(), rng=rng or _RNG)
         assert isinstance(chosen, Backend)
-        chosen.sent.append(now)
-        return chosen
+        return [chosen, *sorted((b for b in candidates if b is not chosen),
+                                key=Backend.local_score)]
 
     def saturation(self, now: float) -> Saturation | None:
         """How deep the engines' queues are, from their fresh figures (None: none known)."""
@@ -317,7 +329,8 @@ class Router:
                 self._providers.setdefault((family, provider), []).append(backend)
         # Chat pools pick by [routing]; the other families' servers publish no load figures.
         self._pools = {key: Pool(key[1], group,
-                                 r.models.get(key[1], r.pick) if key[0] == "chat" else "p2c", r)
+                                 r.models.get(key[1], r.pick) if key[0] == "chat" else "p2c", r,
+                                 key="/".join(key))
                        for key, group in grouped.items()}
         for backend in self.backends:  # the ejection cap is counted per pool
             backend.peers = tuple(pool.backends for pool in self._pools.values()
@@ -370,7 +383,7 @@ class Router:
         if not serving:
             raise GatewayError(ErrorKind.NOT_FOUND,
                                f"provider {provider!r} does not serve model {model!r}")
-        return Pool(model, serving)
+        return Pool(model, serving, key=f"{family}/{provider}/{model}")
 
     def providers(self, family: str) -> list[str]:
         return sorted(p for f, p in self._providers if f == family)

@@ -51,7 +51,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
                     policies: dict[str, str] | None = None,
                     resolver: AbstractResolver | None = None,
                     settings: dict[str, Any] | None = None,
-                    media: dict[str, Any] | None = None) -> TestServer:
+                    media: dict[str, Any] | None = None,
+                    routing: dict[str, Any] | None = None) -> TestServer:
         backends = []
         for i, up in enumerate(upstreams):
             if isinstance(up, dict):
@@ -63,7 +64,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
             })
         policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
         folder = write_config(tmp_path / "config", backends, upstream=upstream, server=server,
-                              policies=policies, gateway=settings, media=media)
+                              policies=policies, gateway=settings, media=media,
+                              routing=routing)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url,
                                          resolver=resolver)
         gw = GatewayTestServer(app)

@@ -1,0 +1,205 @@
+"""The dispatcher (proxy.upstream.dispatch) on a real gateway, a real Redis and a vLLM simulator
+whose batch is one request and whose own queue is none (a second request in flight would be
+answered 503 by it): the engine never sees more than its slots, Max runs before a Basic burst,
+accounts of one tier take turns, a tier past its longest wait is shed at once, a client that
+leaves the queue is never run, and two gateways share the slots and the tier order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from proxy.upstream.slots import LAPSE_S, SlotLedger
+from tests.support.accounts import funded_key, new_key
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.redis_servers import RedisProcess
+from tests.support.upstreams import SimulatorFactory, sim_requests
+
+CHAT = "/v2/compat/v1/chat/completions"
+
+
+def tiers(basic_wait: float = 30.0) -> str:
+    return "".join(f"""
+[tiers.{name}]
+requests_per_minute = 10000
+families = ["chat"]
+models = {{ "*" = ["direct"] }}
+priority = {priority}
+max_queue_wait_s = {wait}
+""" for name, priority, wait in [("guest", 0, 2), ("basic", 1, basic_wait), ("pro", 2, 30),
+                                  ("max", 3, 30)])
+
+
+async def one_slot(simulator: SimulatorFactory, gateway: GatewayFactory, *, count: int = 1,
+                   basic_wait: float = 30.0) -> tuple[TestServer, list[TestServer]]:
+    """An engine that runs one request at a time and queues none, behind `count` gateways."""
+    sim = await simulator(ttft_ms=300, tokens_per_s=200, max_concurrency=1, max_queued=1,
+                          default_completion_tokens=8)
+    backend = {"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+               "models": [MODEL], "max_concurrency": 1}
+    gateways = [await gateway(backend, policies={"tiers.toml": tiers(basic_wait)})
+                for _ in range(count)]
+    return sim, gateways
+
+
+async def chat(gw: TestServer, key: str, text: str, timeout_s: float = 30.0
+               ) -> tuple[int, dict[str, Any], float]:
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
+            s.post(gw.make_url(CHAT), headers={"X-API-Key": key}, json={
+                "model": MODEL, "messages": [{"role": "user", "content": text}]}) as r:
+        return r.status, {"body": await r.json(), "headers": dict(r.headers)}, \
+            time.monotonic() - started
+
+
+def order(records: list[dict[str, Any]]) -> list[str]:
+    """The prompts the engine received, in the order it received them."""
+    return [r["body"]["messages"][-1]["content"] for r in records]
+
+
+async def keys(redis_url: str, *pairs: tuple[str, str]) -> list[str]:
+    made = []
+    for tier, account in pairs:
+        key = await new_key(redis_url, tier, account=account)
+        if tier != "guest":
+            await funded_key(redis_url, account=account)  # credits for the account
+        made.append(key)
+    return made
+
+
+async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "ops")
+    sim, [gw] = await one_slot(simulator, gateway)
+    basic, top = await keys(clean_redis.url, ("basic", "acct-basic"), ("max", "acct-max"))
+    burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(6)]
+    await asyncio.sleep(0.15)  # the burst is queued behind the first
+    async with aiohttp.ClientSession() as s, s.get(
+            gw.make_url("/admin/backends"), headers={"Authorization": "Bearer ops"}) as r:
+        view = await r.json()
+    assert view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}
+    assert view["data"][0]["slots"] == {"max": 1, "in_use": 1}
+    first_max = asyncio.create_task(chat(gw, top, "max"))
+    done = await asyncio.gather(*burst, first_max)
+    assert [status for status, _, _ in done] == [200] * 7, done[0]
+    seen = order(await sim_requests(sim))
+    assert seen[1] == "max", seen  # next after the one already running
+    assert sorted(seen) == sorted([f"basic {i}" for i in range(6)] + ["max"])
+    outcomes = {r["outcome"] for r in await sim_requests(sim)}
+    assert outcomes == {"completed"}  # never a 503 from the engine: one in flight at a time
+
+
+async def test_accounts_of_one_tier_take_turns(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    sim, [gw] = await one_slot(simulator, gateway)
+    heavy, light = await keys(clean_redis.url, ("basic", "acct-heavy"), ("basic", "acct-light"))
+    burst = [asyncio.create_task(chat(gw, heavy, f"heavy {i}")) for i in range(5)]
+    await asyncio.sleep(0.1)
+    late = [asyncio.create_task(chat(gw, light, f"light {i}")) for i in range(2)]
+    await asyncio.gather(*burst, *late)
+    seen = order(await sim_requests(sim))
+    # One heavy request was running; then the two accounts alternate.
+    assert [who.split()[0] for who in seen] == [
+        "heavy", "heavy", "light", "heavy", "light", "heavy", "heavy"], seen
+
+
+async def test_a_tier_past_its_longest_wait_is_shed_at_once_and_charged_nothing(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    sim, [gw] = await one_slot(simulator, gateway, basic_wait=0.5)
+    [basic] = await keys(clean_redis.url, ("basic", "acct-shed"))
+    done = await asyncio.gather(*(chat(gw, basic, f"basic {i}") for i in range(5)))
+    shed = [(answer, took) for status, answer, took in done if status == 503]
+    assert shed and len(shed) + sum(1 for status, _, _ in done if status == 200) == 5
+    for answer, _ in shed:
+        assert answer["body"]["error"]["type"] == "pool_saturated"
+        assert int(answer["headers"]["Retry-After"]) >= 1
+        assert "would wait about" in answer["body"]["error"]["message"]
+    assert min(took for _, took in shed) < 0.1  # refused at once, not after waiting
+    assert len(await sim_requests(sim)) == 5 - len(shed)
+    await settled(gw)
+    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/metrics")) as r:
+        text = await r.text()
+    assert 'igw_queue_shed_total{model="acme/small-chat",reason="expected",tier="basic"}' in text
+
+
+async def test_a_client_that_leaves_the_queue_is_never_run(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    sim, [gw] = await one_slot(simulator, gateway)
+    [basic] = await keys(clean_redis.url, ("basic", "acct-leaves"))
+    running = asyncio.create_task(chat(gw, basic, "runs"))
+    await asyncio.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        await chat(gw, basic, "gives up", timeout_s=0.1)
+    assert (await running)[0] == 200
+    await asyncio.sleep(0.3)
+    assert order(await sim_requests(sim)) == ["runs"]
+    # The gateway fixture checks at the end that every hold was released.
+
+
+async def test_two_gateways_share_the_slots_and_the_tier_order(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    sim, [one, other] = await one_slot(simulator, gateway, count=2)
+    basic, top = await keys(clean_redis.url, ("basic", "acct-b2"), ("max", "acct-m2"))
+    burst = [asyncio.create_task(chat(one if i % 2 else other, basic, f"basic {i}"))
+             for i in range(6)]
+    await asyncio.sleep(0.15)
+    first_max = asyncio.create_task(chat(one, top, "max"))
+    done = await asyncio.gather(*burst, first_max)
+    assert [status for status, _, _ in done] == [200] * 7
+    records = await sim_requests(sim)
+    assert {r["outcome"] for r in records} == {"completed"}  # never two at once
+    assert order(records)[1] == "max", order(records)
+
+
+async def test_a_crashed_process_gives_its_slots_back(clean_redis: RedisProcess) -> None:
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(clean_redis.url)
+    crashed, alive = SlotLedger(redis), SlotLedger(redis)
+    try:
+        await crashed.beat()
+        assert await crashed.take("pool", 3, (), [("b0", 1)]) == ("b0", 0)
+        assert await alive.take("pool", 3, (), [("b0", 1)]) == (None, 0)  # full
+        await crashed.queued("pool", 3, 1)  # a Max request waiting in the crashed process
+        await alive.beat()
+        # Not yet lapsed: full, and a Basic request learns one waits ahead of it.
+        assert await alive.take("pool", 1, (3,), [("b0", 1)]) == (None, 1)
+        await alive.beat(now=time.time() + LAPSE_S + 1)
+        assert await alive.in_flight() == {}
+        assert await alive.take("pool", 1, (3,), [("b0", 1)]) == ("b0", 0)  # nobody above
+        await alive.give_back("b0")
+        await alive.give_back("b0")  # a second give-back finds nothing to give
+        assert await alive.in_flight() == {}
+    finally:
+        await crashed.close()
+        await alive.close()
+        await redis.aclose()
+
+
+@pytest.mark.parametrize("scheduling", [True, False])
+async def test_the_tier_priority_goes_to_an_engine_that_schedules_by_it(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
+        scheduling: bool) -> None:
+    """vLLM `--scheduling-policy priority`: the tier's priority (negated: lower runs first
+    there) goes with each request; a client's own `priority` never does."""
+    sim = await simulator()
+    gw = await gateway({"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+                        "models": [MODEL], "priority_scheduling": scheduling},
+                       policies={"tiers.toml": tiers()})
+    basic, top = await keys(clean_redis.url, ("basic", "acct-p1"), ("max", "acct-p2"))
+    assert (await chat(gw, top, "max"))[0] == 200
+    async with aiohttp.ClientSession() as s, s.post(
+            gw.make_url("/v2/served/v1/chat/completions"), headers={"X-API-Key": basic},
+            json={"model": MODEL, "priority": -100,
+                  "messages": [{"role": "user", "content": "basic"}]}) as r:
+        assert r.status == 200
+    sent = {r["body"]["messages"][-1]["content"]: r["body"].get("priority")
+            for r in await sim_requests(sim)}
+    assert sent == ({"max": -3, "basic": -1} if scheduling else {"max": None, "basic": None})

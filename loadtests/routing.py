@@ -1,6 +1,8 @@
-"""Routing benchmark (issue 17, part 5): the three chat picks on an uneven pool of engines.
+"""Routing benchmark (issue 17, part 5; issue 31): the three chat picks on an uneven pool of
+engines, beside two Rust serving routers (vllm-router, sglang-router) when they are installed.
 
     python -m loadtests.routing [--duration 45] [--json PATH] [--strict] [--quick]
+        [--workload starts|sessions] [--runs N] [--routers]
 
 For each pick (p2c, engine, prefix), one run starts three fresh vLLM simulators that behave
 like engines (a running batch of 8, a prefill cost per uncached prompt token, paced tokens, a KV
@@ -15,6 +17,13 @@ completed requests/s, errors, prefix-cache hit rate (tokens, over all three repl
 load per replica (completed requests, and requests in flight sampled every 0.25 s). Judged
 against the issue's targets: `engine` p99 TTFT <= 0.6 x `p2c`'s, `prefix` hit rate >= 3 x
 `p2c`'s, and under `prefix` no replica above (1 + load_bound) x the mean (loadtests/README.md).
+
+The configs `vllm-router` and `sglang-router` (loadtests/routers.py) put that router, with its
+cache-aware policy, in place of the gateway, on fresh simulators and the same schedule; they
+run when installed (`pip install -e '.[routers]'`) and are skipped with a line saying so
+otherwise (`--routers` makes a missing one an error). `--workload sessions` sends multi-turn
+sessions instead of the 20 shared starts; `--runs N` repeats every config N times and reports
+the mean and the min-max of each headline figure.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from loadtests import loadgen, procs
+from loadtests import loadgen, procs, routers
 from loadtests.bench import run_async
 from loadtests.clock import Clock
 from loadtests.servers import (
@@ -56,7 +65,13 @@ from proxy.config import RoutingSection
 from proxy.simulators.textgen import VOCAB, prompt_tokens
 from proxy.upstream.routing import Weights, prefix_key, rendezvous_order
 
-PICKS = ("p2c", "engine", "prefix")
+PICKS = ("p2c", "engine", "prefix")  # the gateway's
+CONFIGS = (*PICKS, *routers.ROUTERS)  # and the Rust routers (issue 31)
+WORKLOADS = ("starts", "sessions")
+# The figures --runs N reports as mean and min-max.
+SPREAD = ("ttft_p50_ms", "ttft_p99_ms", "latency_p99_ms", "completed_per_s",
+          "prefix_cache_hit_rate", "capacity_load_max_over_mean", "completed_max_over_mean",
+          "in_flight_max_over_mean", "score_over_bound_share", "lag_p99_ms")
 MODEL = "acme/small-chat"
 CHAT_PATH = "/v2/compat/v1/chat/completions"
 WORKERS = 2
@@ -144,6 +159,79 @@ class Workload:
     def shared_tokens(self) -> int:
         """Prompt tokens a request shares with others of its start (as the simulator counts)."""
         return sum(prompt_tokens(s) for s in self.starts()) // self.prompts
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """Multi-turn sessions (`--workload sessions`): each session draws its system prompt from
+    `prompts` of them by a Zipf law (the i-th most popular with weight 1 / i**zipf) and sends
+    `turns` requests; each turn repeats the conversation so far (the system prompt, the earlier
+    user turns and a fixed reply to each) and adds a new user turn. Sessions arrive Poisson and
+    each turn follows the previous one after an exponential think time, open loop: a turn is sent
+    when due, whether or not the previous one was answered (so the reply in the history is the
+    client's own text, not what the engine generated, as a client that edits its history)."""
+
+    prompts: int = 20
+    zipf: float = 1.0
+    system_tokens: int = 1200
+    turns: tuple[int, int] = (2, 6)
+    question_tokens: tuple[int, int] = (20, 100)
+    reply_tokens: int = 32
+    think_s: float = 2.0
+    seed: int = 17
+
+    def systems(self) -> list[dict[str, str]]:
+        rng = random.Random(self.seed)
+        return [{"role": "system", "content": f"You are assistant number {i} of the help desk. "
+                 + _text(rng, self.system_tokens - 11)} for i in range(self.prompts)]
+
+    def popularity(self) -> list[float]:
+        return [1 / (i + 1) ** self.zipf for i in range(self.prompts)]
+
+    def shared_tokens(self) -> int:
+        """Prompt tokens every request of a system prompt shares (the system prompt alone)."""
+        return sum(prompt_tokens([s]) for s in self.systems()) // self.prompts
+
+    def mean_turns(self) -> float:
+        return (self.turns[0] + self.turns[1]) / 2
+
+
+def plan_sessions(workload: Sessions, rate: float, duration_s: float, seed: int
+                  ) -> list[Planned]:
+    """Sessions arriving Poisson at `rate` / mean turns, so that turns come at about `rate`;
+    every turn due before `duration_s`, in time order."""
+    rng = random.Random(seed)
+    systems, weights = workload.systems(), workload.popularity()
+    out: list[Planned] = []
+    at = rng.expovariate(rate / workload.mean_turns())
+    while at < duration_s:
+        messages = [rng.choices(systems, weights)[0]]
+        due = at
+        for turn in range(rng.randint(*workload.turns)):
+            if turn:
+                messages.append({"role": "assistant",
+                                 "content": _text(rng, workload.reply_tokens)})
+                due += rng.expovariate(1 / workload.think_s)
+            low, high = workload.question_tokens
+            messages.append({"role": "user", "content": _text(rng, rng.randint(low, high))})
+            if due < duration_s:
+                out.append(_planned(due, messages))
+        at += rng.expovariate(rate / workload.mean_turns())
+    out.sort(key=lambda p: p.offset_s)
+    return out
+
+
+def _planned(offset_s: float, messages: list[dict[str, str]]) -> Planned:
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return Planned(offset_s, orjson.dumps(body), prompt_tokens(messages))
+
+
+def plan_any(workload: Workload | Sessions, rate: float, duration_s: float, seed: int
+             ) -> list[Planned]:
+    if isinstance(workload, Sessions):
+        return plan_sessions(workload, rate, duration_s, seed)
+    return plan(workload, rate, duration_s, seed)
 
 
 @dataclass(frozen=True)
@@ -349,7 +437,8 @@ def replica_name(index: int) -> str:
 
 
 def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> PickRun:
-    """Fresh simulators and a gateway routing by `pick`; the schedule sent through it."""
+    """Fresh simulators and a gateway routing by `pick` (or the router `pick` names); the
+    schedule sent through it."""
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix=f"gateway-routing-{pick}-")))
@@ -366,6 +455,15 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
                          f"http://127.0.0.1:{port}"))
         for server, url in sims:
             wait_ready(f"{url}/health", server=server)
+        if pick in routers.ROUTERS:
+            router, base = routers.start(pick, [url for _, url in sims], workdir / f"{pick}.log")
+            stack.callback(router.stop)
+            run = PickRun(pick)
+            run_async(drive(run, loadgen.Target(pick, base + routers.CHAT_PATH),
+                            [url for _, url in sims], schedule, args.warmup, args.routing))
+            if router.popen.poll() is not None:
+                raise router.failed(f"exited during the run (code {router.popen.returncode})")
+            return run
         port = free_port()
         config = write_gateway_config(
             workdir / "config", port=port,
@@ -475,26 +573,40 @@ def judge(picks: dict[str, dict[str, Any]], load_bound: float, judged: bool
 def render(doc: dict[str, Any]) -> str:
     meta, picks = doc["meta"], doc["picks"]
     names = list(picks)
-    lines = ["Routing benchmark: p2c vs engine vs prefix on an uneven pool (issue 17)",
+    lines = [f"Routing benchmark: {' vs '.join(names)} on an uneven pool (issues 17, 31)",
              *(f"  {note}" for note in meta["notes"]), ""]
+    runs = meta.get("runs", 1)
+
+    def spread(name: str, key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+        s = picks[name].get("spread", {}).get(key)
+        if not s:
+            return "-"
+        return f"{scale * s['min']:{fmt}}-{scale * s['max']:{fmt}}"
 
     def per_replica(p: dict[str, Any], key: str, fmt: str) -> str:
         return "/".join(format(r[key], fmt) for r in p["replicas"])
 
     rows: list[tuple[str, ...]] = [
+        ("routed by", *(picks[n]["routed_by"] for n in names)),
         ("requests counted", *(str(picks[n]["requests"]) for n in names)),
         ("errors", *(str(picks[n]["errors"]) for n in names)),
         ("offered req/s", *(f"{picks[n]['offered_per_s']:.1f}" for n in names)),
         ("completed req/s", *(f"{picks[n]['completed_per_s']:.1f}" for n in names)),
         ("TTFT p50 ms", *(f"{picks[n]['ttft_p50_ms']:.0f}" for n in names)),
         ("TTFT p99 ms", *(f"{picks[n]['ttft_p99_ms']:.0f}" for n in names)),
+        *([("  p50 min-max", *(spread(n, "ttft_p50_ms") for n in names)),
+           ("  p99 min-max", *(spread(n, "ttft_p99_ms") for n in names))] if runs > 1 else []),
         ("whole stream p99 ms", *(f"{picks[n]['latency_p99_ms']:.0f}" for n in names)),
         ("prefix-cache hit rate", *(f"{100 * picks[n]['prefix_cache_hit_rate']:.1f} %"
                                     for n in names)),
+        *([("  min-max %", *(spread(n, "prefix_cache_hit_rate", 100, ".1f") for n in names))]
+          if runs > 1 else []),
         ("completed per replica", *(per_replica(picks[n], "completed", ".0f") for n in names)),
         ("  max / mean", *(f"{picks[n]['completed_max_over_mean']:.2f}" for n in names)),
         ("  per capacity, max / mean",
          *(f"{picks[n]['capacity_load_max_over_mean']:.2f}" for n in names)),
+        *([("    min-max", *(spread(n, "capacity_load_max_over_mean", 1, ".2f")
+                             for n in names))] if runs > 1 else []),
         ("in flight per replica, mean", *(per_replica(picks[n], "in_flight_mean", ".1f")
                                           for n in names)),
         ("  max / mean", *(f"{picks[n]['in_flight_max_over_mean']:.2f}" for n in names)),
@@ -514,7 +626,12 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     lines.append("  * as the gateway's access log has it (time to first content, per backend; "
-                 "from the gateway's receipt, not the client's schedule)")
+                 "from the gateway's receipt, not the client's schedule); none for a router")
+    if runs > 1:
+        lines.append(f"  figures are means over {runs} runs, min-max below them; requests and "
+                     "errors: the sum; per replica and in flight: the first run's")
+    for note in meta.get("skipped", []):
+        lines.append(f"  skipped: {note}")
     lines.append("")
     for check in doc["checks"]:
         verdict = ("-" if check["passed"] is None else "PASS" if check["passed"] else "FAIL")
@@ -537,7 +654,8 @@ def render(doc: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m loadtests.routing",
-        description="p2c vs engine vs prefix routing on an uneven pool of three simulators.")
+        description="p2c vs engine vs prefix routing on an uneven pool of three simulators, "
+        "beside vllm-router and sglang-router when installed.")
     p.add_argument("--duration", type=float, help="seconds counted per pick (default 45, or 3 "
                    "with --quick), after --warmup")
     p.add_argument("--warmup", type=float, help="seconds of load sent first and not counted "
@@ -545,8 +663,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.8,
                    help="offered load as a share of the pool's capacity (default 0.8)")
     p.add_argument("--rate", type=float, help="requests/s, instead of --load x capacity")
-    p.add_argument("--picks", default=",".join(PICKS), metavar="LIST",
-                   help=f"comma-separated picks to run (default {','.join(PICKS)})")
+    p.add_argument("--picks", default=",".join(CONFIGS), metavar="LIST",
+                   help=f"comma-separated configs to run (default {','.join(CONFIGS)}; a "
+                   "router that is not installed is skipped, unless --routers)")
+    p.add_argument("--routers", action="store_true",
+                   help="require the routers among --picks to be installed (exit 2 if not)")
+    p.add_argument("--workload", choices=WORKLOADS, default="starts", dest="workload_name",
+                   help="starts: 20 shared conversation starts + a varied question (default); "
+                   "sessions: multi-turn sessions over Zipf-drawn system prompts")
+    p.add_argument("--zipf", type=float, default=1.0,
+                   help="sessions: the system prompts' Zipf exponent (default 1.0)")
+    p.add_argument("--runs", type=int, default=1, help="run every config N times (default 1; "
+                   "the issue's figures use 3) and report the mean and min-max")
     p.add_argument("--load-bound", type=float, default=DEFAULT_LOAD_BOUND,
                    help="[routing] load_bound given to the gateway (default 0.25, as shipped)")
     p.add_argument("--score", default="", metavar="NAME=W,...",
@@ -574,8 +702,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--weights: three whole numbers, e.g. 3,3,1")
     if len(args.weights) != 3 or min(args.weights) < 1:
         p.error("--weights: three whole numbers >= 1, e.g. 3,3,1")
-    if not args.picks or set(args.picks) - set(PICKS):
-        p.error(f"--picks: choose from {', '.join(PICKS)}")
+    if not args.picks or set(args.picks) - set(CONFIGS):
+        p.error(f"--picks: choose from {', '.join(CONFIGS)}")
+    if args.runs < 1 or args.zipf < 0:
+        p.error("--runs must be >= 1 and --zipf >= 0")
     names = ("waiting_weight", "running_weight", "kv_cache_weight", "sent_weight")
     try:
         pairs = [item.split("=", 1) for item in args.score.split(",") if item.strip()]
@@ -592,9 +722,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                completion_tokens=8, kv_cache_blocks=args.kv_cache_blocks or 512)
         args.workload = Workload(system_tokens=120, context_tokens=20, question_tokens=(5, 20),
                                  single_turn=args.single_turn, seed=args.seed)
+        sessions = Sessions(zipf=args.zipf, system_tokens=120, turns=(2, 4),
+                            question_tokens=(5, 20), reply_tokens=8, think_s=0.3, seed=args.seed)
     else:
         args.engines = Engines(kv_cache_blocks=args.kv_cache_blocks or Engines.kv_cache_blocks)
         args.workload = Workload(single_turn=args.single_turn, seed=args.seed)
+        sessions = Sessions(zipf=args.zipf, seed=args.seed)
+    if args.workload_name == "sessions":
+        if args.single_turn:
+            p.error("--single-turn is for --workload starts")
+        args.workload = sessions
     if args.duration <= 0 or args.warmup < 0 or not 0 < args.load <= 2 or args.keys < 1:
         p.error("--duration, --load (0-2] and --keys must be positive, --warmup >= 0")
     return args
@@ -604,7 +741,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwinds, stopping the servers
     engines, workload = args.engines, args.workload
-    sample = plan(workload, 50.0, 20.0, args.seed)
+    sessions = isinstance(workload, Sessions)
+    versions = routers.installed()
+    configs, skipped = [], []
+    for name in args.picks:
+        if name in routers.ROUTERS and versions[name] is None:
+            line = (f"{name}: not installed (pip install -e '.[routers]', or "
+                    f"pip install {name})")
+            if args.routers:
+                print(f"routing: --routers: {line}", file=sys.stderr)
+                return 2
+            print(f"routing: skipping {line}", file=sys.stderr, flush=True)
+            skipped.append(line)
+        else:
+            configs.append(name)
+    if not configs:
+        print("routing: nothing to run", file=sys.stderr)
+        return 2
+    sample = plan_any(workload, 50.0, 20.0, args.seed)
     prompt = sum(s.prompt_tokens for s in sample) / len(sample)
     shared = workload.shared_tokens()
     cached = (shared // engines.block_size) * engines.block_size  # whole blocks only
@@ -612,10 +766,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm = sum(engines.capacity(s, prompt - cached) for s in engines.speeds)
     # --quick stays light: its engines are fast, and 80 % of them would be CPU-bound here.
     rate = args.rate or (40.0 if args.quick else args.load * cold)
-    schedule = plan(workload, rate, args.warmup + args.duration, args.seed)
-    split = first_choices(workload, [replica_name(i) for i in range(len(engines.speeds))],
-                          args.weights)
+    schedules = [plan_any(workload, rate, args.warmup + args.duration, args.seed + r)
+                 for r in range(args.runs)]
+    split = None if sessions else first_choices(
+        workload, [replica_name(i) for i in range(len(engines.speeds))], args.weights)
     score = args.routing
+    if sessions:
+        described = (
+            f"workload: multi-turn sessions, system prompts of {shared} prompt tokens drawn "
+            f"from {workload.prompts} by Zipf (exponent {workload.zipf:g}); "
+            f"{workload.turns[0]}-{workload.turns[1]} turns a session, each repeating the "
+            f"conversation so far (replies of {workload.reply_tokens} tokens) plus a user turn "
+            f"of {workload.question_tokens[0]}-{workload.question_tokens[1]} tokens, "
+            f"{workload.think_s:g} s mean think time; {prompt:.0f} prompt tokens on average")
+    else:
+        described = (
+            f"workload: {workload.prompts} shared conversation starts of {shared} prompt tokens "
+            + ("(a system prompt only: the varied question is the first user turn) "
+               if workload.single_turn else
+               "(system prompt + a task as first user turn + the assistant's reply) ")
+            + f"+ a varied user turn of {workload.question_tokens[0]}-"
+            f"{workload.question_tokens[1]} tokens; {prompt:.0f} prompt tokens on average; "
+            "uniform draw")
+    described += f"; seed {args.seed}" + (
+        f" (+ the run's index for arrivals and draws: run i uses seed {args.seed} + i)"
+        if args.runs > 1 else "")
     notes = [
         f"engines: 3 vLLM simulators, speeds {'/'.join(f'{s:g}' for s in engines.speeds)}; "
         f"--max-num-seqs {engines.max_num_seqs}, --prefill-ms-per-1k-tokens "
@@ -623,29 +798,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{engines.tokens_per_s:g}, --completion-tokens {engines.completion_tokens}, "
         f"--kv-cache-blocks {engines.kv_cache_blocks} (x{engines.block_size} tokens: "
         f"{engines.kv_cache_blocks * engines.block_size // max(1, shared):.0f} shared prefixes' "
-        "worth); fresh ones for each pick (cold caches)",
-        f"workload: {workload.prompts} shared conversation starts of {shared} prompt tokens "
-        + ("(a system prompt only: the varied question is the first user turn) "
-           if workload.single_turn else
-           "(system prompt + a task as first user turn + the assistant's reply) ")
-        + f"+ a varied user turn of {workload.question_tokens[0]}-{workload.question_tokens[1]}"
-        f" tokens; {prompt:.0f} prompt tokens on average; uniform draw; seed {args.seed}",
+        "worth); fresh ones for each config and run (cold caches)",
+        described,
         f"capacity from those settings: {cold:.1f} req/s with every prompt a cache miss (per "
         "replica: " + "/".join(f"{engines.capacity(s, prompt):.1f}" for s in engines.speeds)
         + f"), {warm:.1f} with every shared part cached; offered: "
         + (f"{rate:.1f} req/s (--rate)" if args.rate else
            f"{rate:.1f} req/s (--quick)" if args.quick else
            f"{rate:.1f} req/s = {args.load:g} x the all-miss capacity")
-        + ", open loop, Poisson arrivals, the same schedule and bodies for every pick",
+        + ", open loop, Poisson arrivals, the same schedule and bodies for every config",
         f"gateway: `serve --workers {WORKERS}`, [routing] pick per column, load_bound "
         f"{args.load_bound:g}, backend weights {'/'.join(map(str, args.weights))}"
         + "".join(f", {k} {v:g}" for k, v in args.score.items()) + "; "
         f"{args.keys} API keys of one tier whose limit never binds, no queue_budget; nothing "
         "pinned (the load is light: see cores busy)",
-        f"counted: {args.duration:g} s per pick after a {args.warmup:g} s warm-up; TTFT = first "
-        "content event, from the scheduled start; engine counters (hits, queries, completed) "
-        "are deltas over the counted window; in flight = running + waiting, sampled every "
-        f"{SAMPLE_S:g} s",
+        f"counted: {args.duration:g} s per config after a {args.warmup:g} s warm-up; TTFT = "
+        "first content event, from the scheduled start; engine counters (hits, queries, "
+        "completed) are deltas over the counted window; in flight = running + waiting, sampled "
+        f"every {SAMPLE_S:g} s" + (f"; {args.runs} runs, each config once per run in this "
+                                   "order" if args.runs > 1 else ""),
         f"the gateway bounds `prefix` by each instant's engine load score (waiting x "
         f"{score.waiting_weight:g} + running x {score.running_weight:g} + KV pressure above 80 "
         f"% use x {score.kv_cache_weight:g} + requests sent since its last read); judged "
@@ -654,26 +825,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"where some replica's score (from its /metrics) was above {1 + args.load_bound:g} x "
         "the mean",
         "prefix keys: " + (
+            "every request its own session's (system prompt + its first user turn)"
+            if sessions else
             "every request its own (the varied question is the first user turn)"
             if workload.single_turn else
             f"the {workload.prompts} starts' first choices by the gateway's rendezvous order: "
-            + "/".join(str(n) for n in split) + " (replicas in speed order above)"),
+            + "/".join(str(n) for n in (split or [])) + " (replicas in speed order above)"),
     ]
+    routed = [n for n in configs if n in routers.ROUTERS]
+    if routed:
+        notes.append(
+            "routers: " + ", ".join(f"{n} {versions[n]}" for n in routed) + ", each `python -m "
+            "<its launcher> --worker-urls <the 3 simulators> --policy cache_aware` with the "
+            "policy's defaults (cache_threshold 0.3, balance thresholds 64 abs / 1.5 rel), "
+            "straight to the simulators: no API key, rate limit or credits as the gateway does")
     print(notes[2], file=sys.stderr, flush=True)
     started = time.time()
-    runs: dict[str, dict[str, Any]] = {}
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in configs}
     try:
-        for pick in args.picks:
-            print(f"measuring pick = {pick} ({len(schedule)} requests at {rate:.1f}/s) ...",
-                  file=sys.stderr, flush=True)
-            runs[pick] = run_pick(pick, args, schedule).summary(rate, engines.speeds,
-                                                                args.load_bound)
+        for r, schedule in enumerate(schedules):
+            for pick in configs:
+                print(f"measuring {pick}" + (f", run {r + 1}/{args.runs}" if args.runs > 1
+                                             else "")
+                      + f" ({len(schedule)} requests at {rate:.1f}/s) ...",
+                      file=sys.stderr, flush=True)
+                summary = run_pick(pick, args, schedule).summary(rate, engines.speeds,
+                                                                 args.load_bound)
+                summary["routed_by"] = (f"{pick} {versions[pick]}" if pick in routers.ROUTERS
+                                        else "gateway")
+                results[pick].append(summary)
     except KeyboardInterrupt:
         print("routing: interrupted; the servers it started are stopped", file=sys.stderr)
         return 130
     except ServerFailed as exc:
         print(f"routing: {exc}", file=sys.stderr)
         return 2
+    runs = {n: combine(results[n]) for n in configs}
     checks = judge(runs, args.load_bound, judged=not args.quick)
     doc = {
         "meta": {
@@ -683,15 +870,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": "python -m loadtests.routing " + " ".join(
                 sys.argv[1:] if argv is None else argv),
             "judged": not args.quick, "notes": notes, "engines": asdict(engines),
+            "workload_kind": args.workload_name,
             "workload": asdict(workload), "prompt_tokens_mean": prompt,
             "shared_prompt_tokens": shared, "capacity_all_miss_per_s": cold,
             "capacity_all_hit_per_s": warm, "rate_per_s": rate, "load": args.load,
-            "prefix_first_choices": None if workload.single_turn else split,
+            "prefix_first_choices": split,
             "load_bound": args.load_bound, "weights": args.weights, "score": args.score,
             "duration_s": args.duration,
             "warmup_s": args.warmup, "workers": WORKERS, "keys": args.keys,
+            "runs": args.runs, "routers": versions, "skipped": skipped,
         },
         "picks": runs,
+        "runs": [{n: results[n][r] for n in configs} for r in range(args.runs)],
         "checks": checks,
         "passed": all(c["passed"] is not False for c in checks),
     }
@@ -699,6 +889,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     return 1 if args.strict and not doc["passed"] else 0
+
+
+def combine(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One config's runs as one summary: the first run's, with the SPREAD figures replaced by
+    their mean over the runs (and `spread` giving mean, min, max and the values), the errors
+    summed. One run is returned as it is."""
+    out = dict(summaries[0])
+    if len(summaries) == 1:
+        return out
+    out["spread"] = {}
+    for key in SPREAD:
+        values = [s[key] for s in summaries]
+        finite = [v for v in values if not math.isnan(v)]
+        mean = sum(finite) / len(finite) if finite else math.nan
+        out[key] = mean
+        out["spread"][key] = {"mean": mean, "min": min(finite, default=math.nan),
+                              "max": max(finite, default=math.nan), "values": values}
+    out["errors"] = sum(s["errors"] for s in summaries)
+    kinds: dict[str, int] = {}
+    for s in summaries:
+        for kind, count in s["error_kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    out["error_kinds"] = kinds
+    out["requests"] = sum(s["requests"] for s in summaries)
+    return out
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> N
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "loadtests.routing", "--quick", "--json", str(out),
+         "--picks", "p2c,engine,prefix",  # the routers, where installed: tests/loadtests/
          "--score", "running_weight=0.25"],  # given to the gateway's [routing]: it must load
         cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
     )

@@ -37,7 +37,10 @@ request by request. Differences kept on purpose:
   then refuses it in-band (200, a 503 error event) when the queue filled in between.
 - /metrics serves the families a gateway reads, not all of vLLM's (no `_created` series, no
   `http_*`, `process_*`, `cache_config_info` or per-phase histograms).
-- Not served: `/v1/completions`, `/tokenize`, `/detokenize`, `/load`,
+- `POST /tokenize` counts and names tokens by the simulator's rule (`textgen`): a `prompt`'s
+  tokens, or `messages` framed as a chat request's prompt (its `count` is that request's
+  `prompt_tokens`); ids are `textgen.token_id`'s stable fakes, `token_strs` is null.
+- Not served: `/v1/completions`, `/detokenize`, `/load`,
   `stream_options.continuous_usage_stats`, `--enable-request-id-headers`.
 """
 
@@ -48,6 +51,7 @@ import random
 import time
 from collections.abc import Mapping
 
+import orjson
 from aiohttp import web
 
 from proxy.simulators.bodies import json_response
@@ -70,7 +74,15 @@ from proxy.simulators.openai_chat import (
 )
 from proxy.simulators.runtime import inference
 from proxy.simulators.state import STATE
-from proxy.simulators.textgen import EOS, LENGTH, STOP_SEQUENCE, TOOL_CALLS
+from proxy.simulators.textgen import (
+    EOS,
+    LENGTH,
+    STOP_SEQUENCE,
+    TOOL_CALLS,
+    prompt_token_list,
+    text_tokens,
+    token_id,
+)
 
 VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VERSION}-{random.getrandbits(32):08x}"
@@ -252,6 +264,39 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=out.text(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _bad_request(message: str, status: int = 400, kind: str = "BadRequestError"
+                 ) -> web.Response:
+    return json_response({"error": {"message": message, "type": kind, "param": None,
+                                    "code": status}}, status=status)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's `POST /tokenize`: {"model", "prompt"} or {"model", "messages"} -> {"count",
+    "max_model_len", "tokens", "token_strs": null}, by the simulator's own tokens (the ones
+    a chat request's `prompt_tokens` and prefix cache count)."""
+    config = request.app[STATE].config
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return _bad_request(f"Invalid JSON: {exc}")
+    if not isinstance(body, dict):
+        return _bad_request("Input should be a valid dictionary")
+    model = body.get("model") or config.models[0]
+    if model not in config.models:
+        return _bad_request(f"The model `{model}` does not exist.", 404, "NotFoundError")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if isinstance(prompt, str) and messages is None:
+        tokens = text_tokens(prompt)
+    elif isinstance(messages, list) and prompt is None and all(
+            isinstance(m, dict) for m in messages):
+        tokens = prompt_token_list(messages)
+    else:
+        return _bad_request("Either `prompt` (a string) or `messages` (a list of messages) "
+                            "is required")
+    return json_response({"count": len(tokens), "max_model_len": config.max_model_len,
+                          "tokens": [token_id(t) for t in tokens], "token_strs": None})
+
+
 async def engine_death(request: web.Request) -> web.Response:
     request.app[STATE].die()
     return web.Response(status=204)
@@ -264,4 +309,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ping", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/_sim/engine-death", engine_death)

@@ -1,7 +1,7 @@
 """The routing benchmark's Rust routers (issue 31) and its sessions workload.
 
-The routers are real processes from PyPI (`pip install -e '.[routers]'`) in front of real vLLM
-simulators; their tests are skipped where they are not installed (CI installs `.[test]` only).
+The routers are real processes from PyPI (in the `test` extra, and alone as `.[routers]`) in front
+of real vLLM simulators.
 No timing thresholds: the figures are for people to read (loadtests/README.md).
 """
 
@@ -27,9 +27,6 @@ from proxy.simulators.textgen import prompt_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = routers.installed()
-needs = {name: pytest.mark.skipif(version is None, reason=f"{name} is not installed "
-                                  "(pip install -e '.[routers]')")
-         for name, version in VERSIONS.items()}
 
 
 def test_sessions_repeat_the_conversation_and_draw_system_prompts_by_zipf() -> None:
@@ -118,7 +115,7 @@ def _completed(url: str) -> float:
                                                                 0.0)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=needs[n]) for n in routers.ROUTERS])
+@pytest.mark.parametrize("name", routers.ROUTERS)
 def test_router_streams_through_and_keeps_a_prefix_on_one_worker(name: str,
                                                                  tmp_path: Path) -> None:
     """Started as the benchmark starts it, in front of three simulators: streamed chat goes
@@ -141,8 +138,6 @@ def test_router_streams_through_and_keeps_a_prefix_on_one_worker(name: str,
         assert "Address already in use" not in server.log_tail(200)
 
 
-@pytest.mark.skipif(None in VERSIONS.values(), reason="vllm-router and sglang-router are not "
-                    "both installed (pip install -e '.[routers]')")
 def test_routing_quick_run_with_both_routers_and_sessions(tmp_path: Path) -> None:
     """`python -m loadtests.routing --quick --workload sessions --runs 2 --routers`: the
     gateway's prefix pick and both routers, fresh simulators for each, two runs; no errors,

@@ -72,6 +72,7 @@ from proxy.styles.base import ChatStyle
 from proxy.tasks.network import choose_mode, network_answer, network_chat
 from proxy.tasks.run import Runnable, run_task
 from proxy.tasks.submit import submit
+from proxy.upstream.dispatch import Early
 from proxy.upstream.pool import Pool
 from proxy.upstream.queue import ticket_for
 from proxy.upstream.relay import send_whole
@@ -135,11 +136,16 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     result = Result(captured=[] if claim else None)
     response: web.StreamResponse | None = None
     claimed = False
+    dispatcher = app[UPSTREAMS].dispatcher
+    early: Early | None = None
     try:  # entered before the first await that can place a hold or a claim
         replay = await _acquire(request, claim, principal, tier)
         if replay is not None:
             return replay  # the first result again: nothing run, nothing held
         claimed = claim is not None  # ours from here, whatever happens to this request
+        if mode == "direct" and not call.async_:  # its slot's round trip beside admission's
+            early = dispatcher.start(pool, ctx.ticket,
+                                     chat_family.affinity(pool, call, request.headers))
         request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
         task_id = ids.task_id(mode)
         if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
@@ -158,7 +164,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
                 result)
         else:
             response = await chat_family.forward(request, ctx, style, call, cap, pool, mode,
-                                                 task_id, headers, result)
+                                                 task_id, headers, result, early)
             if call.stream:
                 request[TRACE].outcome = result.status
         return response
@@ -173,6 +179,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
             log.warning("stream on %s ended %s after %d content chunk(s) (request %s)",
                         request.path, result.status, result.tally.chunks if result.tally else 0,
                         ctx.request_id)
+        dispatcher.forget(early)  # a slot taken early and never used goes back
         _settle(request, meter, result)
         if claimed and claim is not None:
             _keep_or_release(request, claim, result, response, policies)

@@ -24,6 +24,7 @@ from proxy.styles import wire
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import http1
 from proxy.upstream.client import read_answer
+from proxy.upstream.dispatch import Early
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.relay import relay_stream, send_whole
 from proxy.upstream.routing import SESSION_HEADER, prefix_key
@@ -109,7 +110,7 @@ def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> bytes | 
 
 async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int,
                   pool: Pool, mode: str, task_id: str, headers: Mapping[str, str],
-                  result: Result) -> web.StreamResponse:
+                  result: Result, early: Early | None = None) -> web.StreamResponse:
     """Call a backend of `pool` and send its answer in the client's style (with `headers`):
     a stream relayed as it comes, or a whole answer rendered; `result` learns what went out.
     One retry on another backend for a failure before the client's first byte."""
@@ -137,7 +138,8 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
 
     return await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
                                     ctx.client_headers, relay,
-                                    affinity(pool, call, ctx.client_headers), ctx.ticket)
+                                    affinity(pool, call, ctx.client_headers), ctx.ticket,
+                                    early)
 
 
 async def complete(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, pool: Pool, mode: str,

@@ -34,7 +34,7 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import current_backend
 from proxy.upstream import http1
-from proxy.upstream.dispatch import Dispatcher
+from proxy.upstream.dispatch import Dispatcher, Early
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
 from proxy.upstream.queue import Ticket
 
@@ -119,6 +119,7 @@ class Upstreams:
         use: Callable[[Backend, http1.Response], Awaitable[T]],
         key: bytes | None = None,
         ticket: Ticket | None = None,
+        early: Early | None = None,
     ) -> T:
         """`exchange` with a backend picked from `pool`, its 2xx response given to `use`;
         retried once on another backend when the failure is retryable. `key`: the request's
@@ -129,9 +130,11 @@ class Upstreams:
         depend on the backend (ASR servers of two wires in one pool).
 
         The backend comes from the dispatcher (proxy.upstream.dispatch): with a slot held for
-        this request, waiting in `ticket`'s place in the queue while the pool has none free.
+        this request, waiting in `ticket`'s place in the queue while the pool has none free
+        (`early`: the one taken while the request was admitted).
         """
-        backend = await self.dispatcher.acquire(pool, ticket, key=key)
+        backend = await (early.take() if early is not None
+                         else self.dispatcher.acquire(pool, ticket, key=key))
         retried = False
         while True:
             taken_at = time.monotonic()

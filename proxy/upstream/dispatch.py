@@ -46,6 +46,22 @@ log = logging.getLogger("proxy.dispatch")
 POLL_S = 0.02  # a waiting pool asks for slots freed in other processes this often
 
 
+class Early:
+    """A slot being taken while admission runs (its round trip in parallel with admission's):
+    the first upstream call uses it; a request that never makes that call gives it back."""
+
+    __slots__ = ("pool", "task", "used")
+
+    def __init__(self, pool: Pool, task: asyncio.Task[Backend]) -> None:
+        self.pool = pool
+        self.task = task
+        self.used = False
+
+    async def take(self) -> Backend:
+        self.used = True
+        return await self.task
+
+
 @dataclass(frozen=True, slots=True)
 class Want:
     """What a waiter asks for besides its ticket: its prefix key and a backend to avoid."""
@@ -83,6 +99,30 @@ class Dispatcher:
                 return self._grant(taken)
         return await self._wait(pool, ticket, Want(key, exclude, time.monotonic()), ahead,
                                 counted)
+
+    def start(self, pool: Pool, ticket: Ticket | None, key: bytes | None) -> Early | None:
+        """Begin taking a slot now, for a request about to be admitted; None without a
+        ticket or a shared ledger (nothing to save then)."""
+        if ticket is None or self.ledger is None:
+            return None
+        return Early(pool, asyncio.get_running_loop().create_task(
+            self.acquire(pool, ticket, key=key)))
+
+    def forget(self, early: Early | None) -> None:
+        """The request ended without using its early slot (refused at admission, or failed
+        before its upstream call): the slot goes back, now or once the take lands."""
+        if early is None or early.used:
+            return
+
+        def give_back(task: asyncio.Task[Backend]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self.release(early.pool, task.result(), 0.0)
+
+        if early.task.done():
+            give_back(early.task)
+        else:
+            early.task.cancel()  # a waiter leaves its queue; a take already sent lands later
+            early.task.add_done_callback(give_back)
 
     def release(self, pool: Pool, backend: Backend, held_s: float) -> None:
         """The request is done with its slot: give it back, and let a waiter try."""
@@ -144,17 +184,36 @@ class Dispatcher:
             return pool.preferred(exclude=exclude, key=key)[0], 0, False
         preferred = pool.preferred(exclude=exclude, key=key, capped=False)
         if self._shared:
+            call = asyncio.ensure_future(self.ledger.take(
+                pool.key, ticket.priority, ticket.higher,
+                [(b.name, b.spec.max_concurrency) for b in preferred], queue=queue))
             try:
-                name, ahead = await self.ledger.take(
-                    pool.key, ticket.priority, ticket.higher,
-                    [(b.name, b.spec.max_concurrency) for b in preferred], queue=queue)
+                name, ahead = await asyncio.shield(call)
                 taken = next((b for b in preferred if b.name == name), None)
                 return taken, ahead, queue and taken is None
             except RedisError:
                 self._shared = False
+            except asyncio.CancelledError:
+                # The script runs anyway (it was sent): undo what it did once it lands.
+                call.add_done_callback(
+                    lambda done: self._undo(done, pool, ticket, preferred, queue))
+                raise
         # The ledger is unreachable: this worker's own counts, its own queue.
         local = next((b for b in preferred if b.outstanding < b.spec.max_concurrency), None)
         return local, 0, False
+
+    def _undo(self, done: asyncio.Future[tuple[str | None, int]], pool: Pool, ticket: Ticket,
+              preferred: list[Backend], queue: bool) -> None:
+        """A take whose requester was cancelled: give back the slot, or (`queue`) stop
+        counting it as waiting."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        name, _ = done.result()
+        taken = next((b for b in preferred if b.name == name), None)
+        if taken is not None:
+            self.release(pool, taken, 0.0)
+        elif queue:
+            self._queued(pool, ticket, -1)
 
     def _grant(self, backend: Backend) -> Backend:
         backend.sent.append(time.time())

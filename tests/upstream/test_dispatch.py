@@ -203,3 +203,29 @@ async def test_the_tier_priority_goes_to_an_engine_that_schedules_by_it(
     sent = {r["body"]["messages"][-1]["content"]: r["body"].get("priority")
             for r in await sim_requests(sim)}
     assert sent == ({"max": -3, "basic": -1} if scheduling else {"max": None, "basic": None})
+
+
+async def test_slots_never_leak_when_clients_leave_at_any_moment(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """Clients cut off at every point (while admitted, while their slot is being taken, while
+    queued, while streaming): afterwards no slot is held and nobody is counted as waiting, and
+    the engine still serves the next request."""
+    _, [gw] = await one_slot(simulator, gateway)
+    [basic] = await keys(clean_redis.url, ("basic", "acct-cut"))
+    for cut_s in (0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.2, 0.4):
+        tries = [asyncio.create_task(chat(gw, basic, f"cut {cut_s}", timeout_s=cut_s))
+                 for _ in range(3)]
+        await asyncio.gather(*tries, return_exceptions=True)
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        async with asyncio.timeout(5):  # the cut requests end and give back what they held
+            while True:
+                held = await redis.hgetall("igw:{slots}:total")
+                if not held and not await redis.hgetall("igw:{slots}:queued"):
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await redis.aclose()
+    assert (await chat(gw, basic, "after"))[0] == 200

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the context: prompt + completion tokens")
     vllm.add_argument("--max-num-queued-reqs", type=int, default=None, dest="max_queued",
                       help="requests in flight (running and waiting) beyond which it answers 503")
+    vllm.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                      help="priority: the waiting queue ordered by each request's `priority` "
+                      "(lower first); fcfs refuses any priority but 0")
     vllm.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens")
     vllm.add_argument("--block-size", type=_positive_int, default=16,
@@ -164,6 +167,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         default_completion_tokens=args.completion_tokens,
         max_model_len=args.max_model_len,
         max_queued=args.max_queued,
+        scheduling_policy=args.scheduling_policy,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         block_size=args.block_size,
         kv_cache_blocks=_kv_cache_blocks(args),

@@ -19,6 +19,8 @@ class SimConfig:
     # vLLM's engine options (`simulate vllm --max-model-len ...`).
     max_model_len: int = 32768  # the context: prompt + completion
     max_queued: int | None = None  # --max-num-queued-reqs: in flight beyond it -> 503
+    # --scheduling-policy: "fcfs" refuses any priority but 0 (400); "priority" honours it.
+    scheduling_policy: str = "fcfs"
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details (cached tokens)
     block_size: int = 16  # KV-cache block: prompts share a cached beginning in whole blocks
     # KV-cache capacity in blocks (vLLM's num_gpu_blocks): with 16-token blocks, the 1,048,576

@@ -37,6 +37,7 @@ class Exchange:
         self.prompt_tokens = 0
         self.prompt_chars = 0  # TGI's x-compute-characters
         self.token_cap: int | None = None  # the request's max new tokens, if it set one
+        self.priority = 0  # vLLM's priority scheduling: lower runs earlier
         self.cached_tokens = 0  # vLLM: prompt tokens found in the prefix cache ...
         self.created_cache_tokens = 0  # ... and written to it
         self.generations: list[Generation] = []
@@ -63,6 +64,7 @@ class Exchange:
             return False
         seq = engine.sequence(self.prompt, [g.completion_tokens for g in self.generations],
                               self.token_cap)
+        seq.priority = self.priority
         await engine.admit(seq)
         self.seq, self.scheduled = seq, time.monotonic()
         self.cached_tokens, self.created_cache_tokens = seq.cached_tokens, seq.created_tokens

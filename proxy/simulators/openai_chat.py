@@ -102,6 +102,7 @@ class ChatRequest(NamedTuple):
     thinking: bool
     ignore_eos: bool  # vLLM: generate to the cap, whatever the model "wants"
     cap_field: str  # which of max_completion_tokens / max_tokens named the cap
+    priority: int = 0  # vLLM --scheduling-policy priority: lower runs earlier
 
 
 def _stops(stop: object) -> tuple[str, ...]:
@@ -161,6 +162,7 @@ def parse_chat(raw: bytes) -> ChatRequest:
         thinking=kwargs.get("enable_thinking") is True,
         ignore_eos=opt(body, "ignore_eos", bool) is True,
         cap_field=cap_field,
+        priority=opt(body, "priority", int) or 0,
     )
 
 
@@ -180,6 +182,7 @@ def chat_handler(d: Dialect) -> Handler:
         ex.prompt_chars = sum(len(content_text(m.get("content"))) for m in req.messages)
         key = prompt_key(model, req.messages)
         limit = ex.token_cap = req.max_tokens if d.check is None else d.check(ex, req)
+        ex.priority = req.priority
         # ignore_eos: the "model" would go on past the cap, so the cap ends it (length).
         natural = limit + 1 if req.ignore_eos and limit is not None else ex.natural_tokens
         tool = pick_tool(req.tools, req.tool_choice)

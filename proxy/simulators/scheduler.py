@@ -34,6 +34,7 @@ class Seq:
     created_tokens: int = 0  # ... and written to it
     first_token: float = math.inf  # loop time its first token is due, once scheduled
     interval: float = 0.0  # seconds between its tokens
+    priority: int = 0  # with --scheduling-policy priority: lower waits less (ties: arrival)
 
     def private_blocks(self, block_size: int, now: float = -math.inf) -> int:
         """Blocks no other request shares: each choice's prompt tail and its output so far
@@ -105,7 +106,11 @@ class Scheduler:
     async def admit(self, seq: Seq) -> None:
         """Queue `seq`; return once it is scheduled."""
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting.append((seq, ready))
+        # Priority scheduling: before the first waiting request of a higher value (a plain
+        # queue, first come first served, when every priority is 0).
+        at = next((i for i, (queued, _) in enumerate(self.waiting)
+                   if queued.priority > seq.priority), len(self.waiting))
+        self.waiting.insert(at, (seq, ready))
         self._schedule()
         try:
             await ready

@@ -108,6 +108,9 @@ def check(ex: Exchange, req: ChatRequest) -> int | None:
                          f"your prompt contains at least {context + 1} input tokens, which "
                          "exceeds this limit even without any output tokens. Please reduce "
                          "the length of the input prompt.", "value", "input_tokens", context + 1)
+    if req.priority != 0 and config.scheduling_policy != "priority":
+        raise BadRequest(f"Got priority {req.priority} but Priority scheduling is not enabled.",
+                         "value", "priority", req.priority)
     if state.full:
         state.rejected += 1
         raise HttpError(503, BUSY, "Service Unavailable")

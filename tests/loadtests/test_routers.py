@@ -139,26 +139,26 @@ def test_router_streams_through_and_keeps_a_prefix_on_one_worker(name: str,
 
 
 def test_routing_quick_run_with_both_routers_and_sessions(tmp_path: Path) -> None:
-    """`python -m loadtests.routing --quick --workload sessions --runs 2 --routers`: the
-    gateway's prefix pick and both routers, fresh simulators for each, two runs; no errors,
-    the engines' counters read, and each figure's mean and min-max reported."""
+    """`python -m loadtests.routing --quick --workload sessions --runs 2 --routers`: both
+    routers (the gateway's picks run in tests/test_loadtests.py), fresh simulators for each,
+    two runs; no errors, the engines' counters read, and each figure's mean and min-max
+    reported."""
     out = tmp_path / "routing.json"
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "loadtests.routing", "--quick", "--workload", "sessions",
          "--runs", "2", "--duration", "1.5", "--warmup", "0.3", "--routers",
-         "--picks", "prefix,vllm-router,sglang-router", "--json", str(out)],
+         "--picks", "vllm-router,sglang-router", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
     took = time.monotonic() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert list(doc["picks"]) == ["prefix", "vllm-router", "sglang-router"]
+    assert list(doc["picks"]) == ["vllm-router", "sglang-router"]
     assert doc["meta"]["workload_kind"] == "sessions" and doc["meta"]["runs"] == 2
     assert len(doc["runs"]) == 2 and doc["meta"]["skipped"] == []
     for name, summary in doc["picks"].items():
         assert summary["errors"] == 0, (name, summary["error_kinds"])
-        assert summary["routed_by"] == (
-            "gateway" if name == "prefix" else f"{name} {VERSIONS[name]}")
+        assert summary["routed_by"] == f"{name} {VERSIONS[name]}"
         for run in doc["runs"]:
             assert run[name]["requests"] > 0 and run[name]["ttft_p50_ms"] > 0, name
             assert sum(r["completed"] for r in run[name]["replicas"]) > 0, name

@@ -189,7 +189,7 @@ async def test_the_tier_priority_goes_to_an_engine_that_schedules_by_it(
         scheduling: bool) -> None:
     """vLLM `--scheduling-policy priority`: the tier's priority (negated: lower runs first
     there) goes with each request; a client's own `priority` never does."""
-    sim = await simulator()
+    sim = await simulator(scheduling_policy="priority" if scheduling else "fcfs")
     gw = await gateway({"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
                         "models": [MODEL], "priority_scheduling": scheduling},
                        policies={"tiers.toml": tiers()})
@@ -229,3 +229,31 @@ async def test_slots_never_leak_when_clients_leave_at_any_moment(
     finally:
         await redis.aclose()
     assert (await chat(gw, basic, "after"))[0] == 200
+
+
+async def test_an_engine_that_schedules_by_priority_runs_max_first_in_its_own_queue(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """Where the gateway lets an engine queue (its slots set above the engine's batch), a
+    priority-scheduling vLLM still runs Max before the Basic requests waiting in it; the same
+    engine without the policy refuses a priority (400), as vLLM does."""
+    sim = await simulator(ttft_ms=300, tokens_per_s=200, max_concurrency=1,
+                          default_completion_tokens=8, scheduling_policy="priority")
+    gw = await gateway({"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+                        "models": [MODEL], "max_concurrency": 16, "priority_scheduling": True},
+                       policies={"tiers.toml": tiers()})
+    basic, top = await keys(clean_redis.url, ("basic", "acct-e1"), ("max", "acct-e2"))
+    started = time.monotonic()
+    burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(4)]
+    await asyncio.sleep(0.15)
+    max_sent = time.monotonic() - started
+    done = await asyncio.gather(*burst, chat(gw, top, "max"))
+    assert [status for status, _, _ in done] == [200] * 5
+    assert order(await sim_requests(sim))[4] == "max"  # the engine saw it last ...
+    finished = sorted((took, i) for i, (_, _, took) in enumerate(done[:4]))
+    max_finished = max_sent + done[4][2]
+    # ... and ran it second: after the Basic request already running, before the other three.
+    assert finished[0][0] < max_finished < finished[1][0], (finished, max_finished)
+    fcfs = await simulator()
+    async with aiohttp.ClientSession() as s, s.post(fcfs.make_url("/v1/chat/completions"), json={
+            "model": MODEL, "priority": -3, "messages": [{"role": "user", "content": "x"}]}) as r:
+        assert r.status == 400 and "Priority scheduling is not enabled" in await r.text()

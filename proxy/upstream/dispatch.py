@@ -83,6 +83,7 @@ class Dispatcher:
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._shared = ledger is not None  # False while the ledger's Redis is unreachable
+        self._started = asyncio.Event()  # set at the first take: the heartbeat begins
 
     async def acquire(self, pool: Pool, ticket: Ticket | None, *, key: bytes | None = None,
                       exclude: Backend | None = None) -> Backend:
@@ -147,9 +148,11 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Forever: the heartbeat that keeps this process's slots its own (a process that
-        stops beating is taken for crashed and what it held is given back)."""
+        stops beating is taken for crashed and what it held is given back). It begins with the
+        process's first request upstream: a gateway that never sends one writes nothing."""
         if self.ledger is None:
             return
+        await self._started.wait()
         while True:
             try:
                 await self.ledger.beat()
@@ -183,6 +186,10 @@ class Dispatcher:
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
             return pool.preferred(exclude=exclude, key=key)[0], 0, False
         preferred = pool.preferred(exclude=exclude, key=key, capped=False)
+        if not self._started.is_set():  # this process's first: known alive before it takes
+            self._started.set()
+            with contextlib.suppress(RedisError):
+                await self.ledger.beat()
         if self._shared:
             call = asyncio.ensure_future(self.ledger.take(
                 pool.key, ticket.priority, ticket.higher,

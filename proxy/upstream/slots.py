@@ -85,20 +85,23 @@ return 1
 _BEAT = """
 local now = tonumber(ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[1], now + tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[3], 10 * tonumber(ARGV[3]))  -- a fleet that stopped leaves nothing
 local alive = redis.call('HGETALL', KEYS[3])
-local dead = {}
+local living = {}
 for i = 1, #alive, 2 do
   if tonumber(alive[i + 1]) < now then
-    dead[alive[i]] = true
     redis.call('HDEL', KEYS[3], alive[i])
+  else
+    living[alive[i]] = true
   end
 end
-if next(dead) == nil then return 0 end
+-- Whatever a process that is not alive holds or queues goes back: one whose beat lapsed, and
+-- one forgotten with the whole alive hash (every gateway stopped at once, then a restart).
 local function reap(owned, totals)
   local fields = redis.call('HGETALL', owned)
   for i = 1, #fields, 2 do
     local head, owner = string.match(fields[i], '^(.*)|([^|]*)$')
-    if owner and dead[owner] then
+    if owner and not living[owner] then
       redis.call('HDEL', owned, fields[i])
       if redis.call('HINCRBY', totals, head, -tonumber(fields[i + 1])) <= 0 then
         redis.call('HDEL', totals, head)

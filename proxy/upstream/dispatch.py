@@ -238,8 +238,13 @@ class Dispatcher:
         """Queue for a slot; `ahead`: waiters ahead of it in every gateway, as last counted;
         `counted`: the ledger already counts it as waiting."""
         queue = self._queues.setdefault(pool.key, TierQueue())
-        expected = self._drain(pool).wait_s(max(ahead, queue.ahead(ticket.priority)),
-                                            _slots(pool))
+        # Its place by the tier order and the accounts' turns, in this worker's queue; the
+        # other gateways' waiters (`ahead` counts every gateway's) in the same proportion.
+        local = queue.ahead(ticket.priority)
+        place = queue.place(ticket)
+        if ahead > local:
+            place = math.ceil(place * ahead / local) if local else ahead
+        expected = self._drain(pool).wait_s(place, _slots(pool))
         if expected > ticket.max_wait_s:
             if counted:
                 self._queued(pool, ticket, -1)

@@ -142,6 +142,20 @@ class TierQueue:
         """Waiters a new request of `priority` would wait behind (its own tier's included)."""
         return sum(t.count for p, t in self._tiers.items() if p >= priority)
 
+    def place(self, ticket: Ticket) -> int:
+        """How many waiters a new request of `ticket` would be served after: every higher
+        tier's, and in its own tier, by the accounts' turns, its account's own and up to one
+        more than that from each other account (a light account's request does not wait
+        behind a heavy account's whole burst)."""
+        higher = sum(t.count for p, t in self._tiers.items() if p > ticket.priority)
+        tier = self._tiers.get(ticket.priority)
+        if tier is None:
+            return higher
+        own = len(tier.accounts.get(ticket.account, ()))
+        others = sum(min(len(waiters), own + 1) for account, waiters in tier.accounts.items()
+                     if account != ticket.account)
+        return higher + own + others
+
     def depth(self) -> dict[str, int]:
         """Waiters by tier name (for /metrics and /admin/backends)."""
         counts: dict[str, int] = {}

@@ -80,10 +80,14 @@ async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
     sim, [gw] = await one_slot(simulator, gateway)
     basic, top = await keys(clean_redis.url, ("basic", "acct-basic"), ("max", "acct-max"))
     burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(6)]
-    await asyncio.sleep(0.15)  # the burst is queued behind the first
-    async with aiohttp.ClientSession() as s, s.get(
-            gw.make_url("/admin/backends"), headers={"Authorization": "Bearer ops"}) as r:
-        view = await r.json()
+    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
+        while True:  # the burst is queued behind the first
+            async with s.get(gw.make_url("/admin/backends"),
+                             headers={"Authorization": "Bearer ops"}) as r:
+                view = await r.json()
+            if view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}:
+                break
+            await asyncio.sleep(0.01)
     assert view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}
     assert view["data"][0]["slots"] == {"max": 1, "in_use": 1}
     first_max = asyncio.create_task(chat(gw, top, "max"))

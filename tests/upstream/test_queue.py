@@ -20,6 +20,12 @@ async def test_higher_priority_first_and_accounts_take_turns_within_a_tier() -> 
     queue.push(Waiter(ticket("max", 3, "m"), want="m1"))
     queue.push(Waiter(ticket("pro", 2, "p"), want="p1"))
     assert queue.ahead(1) == 7 and queue.ahead(2) == 2 and queue.ahead(3) == 1
+    # A new request's place: a's fourth waits behind all of b's; b's third behind a's three;
+    # a new account's first only behind one of each.
+    assert queue.place(ticket("basic", 1, "a")) == 2 + 3 + 2
+    assert queue.place(ticket("basic", 1, "b")) == 2 + 2 + 3
+    assert queue.place(ticket("basic", 1, "c")) == 2 + 0 + 1 + 1
+    assert queue.place(ticket("max", 3, "m")) == 1 and queue.place(ticket("guest", 0, "g")) == 7
     assert queue.depth() == {"basic": 5, "max": 1, "pro": 1}
     order = []
     while (waiter := queue.pop()) is not None:

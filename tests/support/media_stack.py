@@ -6,6 +6,7 @@ check of the WAV that TTS answers (tests/families, tests/tasks, the real-engine 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 from collections.abc import Awaitable, Callable
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
@@ -101,6 +103,26 @@ class Media:
         async with aiohttp.ClientSession() as session, session.post(
                 self.gateway.make_url(path), json=body, headers=headers or {}) as response:
             return response.status, response.headers, await response.read()
+
+    async def get(self, path: str, headers: dict[str, str] | None = None
+                  ) -> tuple[int, Any, bytes]:
+        async with aiohttp.ClientSession() as session, session.get(
+                self.gateway.make_url(path), headers=headers or {}) as response:
+            return response.status, response.headers, await response.read()
+
+    async def async_speech(self, text: str, headers: dict[str, str], timeout_s: float = 15
+                           ) -> dict[str, Any]:
+        """Submit `text` as an async TTS task (202) and poll it until it ends: its record."""
+        status, _, raw = await self.post("/v2/audio/tts/engine", {"text": text, "async": True},
+                                         headers)
+        assert status == 202, raw
+        poll = orjson.loads(raw)["poll_url"]
+        async with asyncio.timeout(timeout_s):
+            while True:
+                record: dict[str, Any] = orjson.loads((await self.get(poll, headers))[2])
+                if record["status"] != "running":
+                    return record
+                await asyncio.sleep(0.05)
 
     async def sim_requests(self, kind: str) -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as session, session.get(

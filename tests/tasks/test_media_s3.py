@@ -4,22 +4,19 @@ expired hours, and `serve` refuses a bucket it cannot use."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import orjson
 import pytest
 from aiobotocore.session import get_session
 
 from proxy.appkeys import MEDIA
 from proxy.blobs.base import HOUR_S
 from tests.support.fleet import REPO
-from tests.support.media_stack import Media, MediaFactory
+from tests.support.media_stack import MediaFactory
 from tests.support.object_store import S3Server
 from tests.support.processes import free_port
 
@@ -55,45 +52,27 @@ async def objects(server: S3Server, bucket: str) -> dict[str, Any]:
         return found
 
 
-async def get(m: Media, path: str, headers: dict[str, str]) -> tuple[int, Any, bytes]:
-    async with aiohttp.ClientSession() as session, session.get(
-            m.gateway.make_url(path), headers=headers) as r:
-        return r.status, r.headers, await r.read()
-
-
-async def finished(m: Media, text: str, headers: dict[str, str]) -> dict[str, Any]:
-    status, _, raw = await m.post(TTS, {"text": text, "async": True}, headers)
-    assert status == 202, raw
-    poll = orjson.loads(raw)["poll_url"]
-    async with asyncio.timeout(15):
-        while True:
-            record: dict[str, Any] = orjson.loads((await get(m, poll, headers))[2])
-            if record["status"] != "running":
-                return record
-            await asyncio.sleep(0.05)
-
-
 async def test_any_gateway_serves_media_kept_in_the_bucket(
         media: MediaFactory, s3_env: tuple[S3Server, str]) -> None:
     server, bucket = s3_env
     made_here = await media(store=s3_config(server, bucket))
     served_there = await media(store=s3_config(server, bucket))  # another host, same bucket
     headers = await made_here.key("basic", "acct-s3")
-    record = await finished(made_here, "Kept in a bucket every gateway shares. " * 6, headers)
+    record = await made_here.async_speech("Kept in a bucket every gateway shares. " * 6, headers)
     assert record["status"] == "completed", record
     result = record["result"]
-    status, got, wav = await get(served_there, result["media_url"], headers)
+    status, got, wav = await served_there.get(result["media_url"], headers)
     assert status == 200 and got["Content-Type"] == "audio/wav"
     assert len(wav) == result["bytes"] > 50_000
-    status, got, part = await get(served_there, result["media_url"],
+    status, got, part = await served_there.get(result["media_url"],
                                   {**headers, "Range": "bytes=44-1043"})
     assert status == 206 and part == wav[44:1044]
     assert got["Content-Range"] == f"bytes 44-1043/{len(wav)}"
-    status, _, _ = await get(served_there, result["media_url"],
+    status, _, _ = await served_there.get(result["media_url"],
                              {**headers, "Range": f"bytes={len(wav) + 5}-"})
     assert status == 416
     other = await made_here.key("basic", "acct-s3-other")
-    assert (await get(served_there, result["media_url"], other))[0] == 404
+    assert (await served_there.get(result["media_url"], other))[0] == 404
     # In the bucket under the prefix, with its type; in the ledger only a count.
     [(name, (content_type, size))] = (await objects(server, bucket)).items()
     assert name.startswith("igw-media/") and name.endswith(result["media_key"])
@@ -116,7 +95,7 @@ async def test_an_unreachable_bucket_fails_the_task_uncharged(
     nowhere = {**s3_config(server, bucket), "endpoint_url": f"http://127.0.0.1:{free_port()}"}
     m = await media(store=nowhere)
     headers = await m.key("basic", "acct-s3-down")
-    record = await finished(m, "Nowhere to go.", headers)
+    record = await m.async_speech("Nowhere to go.", headers)
     assert record["status"] == "failed" and record["error"]["status"] == 503
     assert [c["cost"] for c in await m.charges("acct-s3-down")] == [0]
     assert await m.redis.get("igw:{acct-s3-down}:media_bytes") is None

@@ -4,16 +4,13 @@ account keeps are capped; Range is served from the store. The S3 store: test_med
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import orjson
 
 from proxy.appkeys import CONFIG, MEDIA
@@ -31,26 +28,6 @@ def wav_size(text: str) -> int:
     return 44 + 2 * round(speech_seconds(text, 1.0) * 24000)
 
 
-async def get(m: Media, path: str, headers: dict[str, str]) -> tuple[int, Any, bytes]:
-    async with aiohttp.ClientSession() as session, session.get(
-            m.gateway.make_url(path), headers=headers) as r:
-        return r.status, r.headers, await r.read()
-
-
-async def run_async(m: Media, text: str, headers: dict[str, str]) -> dict[str, Any]:
-    """Submit an async TTS task and wait for its record."""
-    status, _, raw = await m.post(TTS, {"text": text, "async": True}, headers)
-    assert status == 202, raw
-    poll = orjson.loads(raw)["poll_url"]
-    async with asyncio.timeout(10):
-        while True:
-            status, _, raw = await get(m, poll, headers)
-            record: dict[str, Any] = orjson.loads(raw)
-            if record["status"] != "running":
-                return record
-            await asyncio.sleep(0.05)
-
-
 def folder(m: Media) -> Path:
     return m.gateway.app[CONFIG].data_dir / "media"
 
@@ -65,11 +42,11 @@ async def test_media_goes_to_the_folder_and_never_into_the_ledger(media: MediaFa
     m = await media()
     headers = await m.key("basic", "acct-blob")
     text = "Kept in a folder made for blobs. " * 12
-    record = await run_async(m, text, headers)
+    record = await m.async_speech(text, headers)
     assert record["status"] == "completed", record
     result = record["result"]
     assert result["bytes"] == wav_size(text) > 100_000
-    status, got, wav = await get(m, result["media_url"], headers)
+    status, got, wav = await m.get(result["media_url"], headers)
     assert status == 200 and got["Content-Type"] == "audio/wav" and len(wav) == result["bytes"]
     assert got["X-Request-Id"] and got["Accept-Ranges"] == "bytes"
     # On disk: the content type's line, then the bytes; nothing left half-written.
@@ -81,20 +58,20 @@ async def test_media_goes_to_the_folder_and_never_into_the_ledger(media: MediaFa
     assert max(sizes) < 10_000, "a blob was written into the ledger's Redis"
     assert int(await m.redis.get("igw:{acct-blob}:media_bytes")) == len(wav)
     # Range comes from the store: a span in the middle, the tail, and one past the end.
-    status, got, part = await get(m, result["media_url"], {**headers, "Range": "bytes=1000-1999"})
+    status, got, part = await m.get(result["media_url"], {**headers, "Range": "bytes=1000-1999"})
     assert status == 206 and part == wav[1000:2000]
     assert got["Content-Range"] == f"bytes 1000-1999/{len(wav)}"
     assert got["Content-Length"] == "1000"
-    status, _, tail = await get(m, result["media_url"], {**headers, "Range": "bytes=-7"})
+    status, _, tail = await m.get(result["media_url"], {**headers, "Range": "bytes=-7"})
     assert status == 206 and tail == wav[-7:]
-    status, got, _ = await get(m, result["media_url"], {**headers, "Range": f"bytes={len(wav)}-"})
+    status, got, _ = await m.get(result["media_url"], {**headers, "Range": f"bytes={len(wav)}-"})
     assert status == 416 and got["Content-Range"] == f"bytes */{len(wav)}"
     # Another account, a made-up key, a malformed one: 404 alike.
     other = await m.key("basic", "acct-other")
-    assert (await get(m, result["media_url"], other))[0] == 404
+    assert (await m.get(result["media_url"], other))[0] == 404
     made_up = f"/v2/audio/media/{int(time.time()) + 600}-{'0' * 32}"
-    assert (await get(m, made_up, headers))[0] == 404
-    assert (await get(m, "/v2/audio/media/..%2F..%2Fredis", headers))[0] == 404
+    assert (await m.get(made_up, headers))[0] == 404
+    assert (await m.get("/v2/audio/media/..%2F..%2Fredis", headers))[0] == 404
 
 
 async def test_the_bytes_an_account_keeps_are_capped(media: MediaFactory) -> None:
@@ -104,13 +81,13 @@ async def test_the_bytes_an_account_keeps_are_capped(media: MediaFactory) -> Non
     cap = wav_size(long_text) + wav_size(short_text)
     m = await media(requests_toml=f"[tasks]\nmax_media_bytes_per_account = {cap}\n")
     headers = await m.key("basic", "acct-cap")
-    first = await run_async(m, long_text, headers)
+    first = await m.async_speech(long_text, headers)
     assert first["status"] == "completed", first
-    refused = await run_async(m, long_text, headers)  # would pass the cap: fails, not charged
+    refused = await m.async_speech(long_text, headers)  # would pass the cap: fails, not charged
     assert refused["status"] == "failed"
     assert refused["error"]["type"] == "rate_limited" and refused["error"]["status"] == 429
     assert "cap" in refused["error"]["message"]
-    third = await run_async(m, short_text, headers)  # fits exactly
+    third = await m.async_speech(short_text, headers)  # fits exactly
     assert third["status"] == "completed", third
     assert int(await m.redis.get("igw:{acct-cap}:media_bytes")) == cap
     status, got, raw = await m.post(TTS, {"text": "More.", "async": True}, headers)
@@ -124,7 +101,7 @@ async def test_the_bytes_an_account_keeps_are_capped(media: MediaFactory) -> Non
     status, _, _ = await m.post(TTS, {"text": "Sync."}, headers)
     assert status == 200
     neighbour = await m.key("basic", "acct-neighbour")
-    assert (await run_async(m, long_text, neighbour))["status"] == "completed"
+    assert (await m.async_speech(long_text, neighbour))["status"] == "completed"
     # On disk: only what was kept (the refused one was never written).
     assert len(list(folder(m).glob("*/*/*"))) == 3
 
@@ -133,7 +110,7 @@ async def test_expired_media_leaves_the_quota_and_the_sweep_deletes_it(
         media: MediaFactory) -> None:
     m = await media(requests_toml="[tasks]\nresult_ttl_s = 60\n")
     headers = await m.key("basic", "acct-sweep")
-    result = (await run_async(m, "Swept within the hour.", headers))["result"]
+    result = (await m.async_speech("Swept within the hour.", headers))["result"]
     store: MediaStore = m.gateway.app[MEDIA]
     path = blob_path(m, "acct-sweep", result["media_key"])
     expires_at = int(result["media_key"].partition("-")[0])
@@ -147,7 +124,7 @@ async def test_expired_media_leaves_the_quota_and_the_sweep_deletes_it(
     assert await store.sweep(now=(expires_at // HOUR_S + 1) * HOUR_S) == 1
     assert not path.exists() and not path.parent.parent.exists()
     assert not leftover.exists() and fresh.exists()  # only writes a crash left behind
-    assert (await get(m, result["media_url"], headers))[0] == 404
+    assert (await m.get(result["media_url"], headers))[0] == 404
     # Its bytes leave the account's count once it has expired.
     usage = await store.quota.check("acct-sweep", expires_at + 1, cap=1)
     assert usage.fits and usage.stored == 0
@@ -160,7 +137,7 @@ async def test_a_store_that_cannot_be_written_fails_the_task_uncharged(
     blocked.write_text("a file where the media folder should be")
     m = await media(store={"path": str(blocked)})
     headers = await m.key("basic", "acct-broken")
-    record = await run_async(m, "Nowhere to keep this.", headers)
+    record = await m.async_speech("Nowhere to keep this.", headers)
     assert record["status"] == "failed"
     assert record["error"]["status"] == 503 and "media store" in record["error"]["message"]
     [refund] = await m.charges("acct-broken")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtests.servers import Server, free_port, gateway_args, wait_ready
+from loadtests.servers import Server, account_keys, free_port, gateway_args, wait_ready
 
 MODEL = "acme/burst"
 TTFT_MS = 200
@@ -72,27 +72,6 @@ def write_config(folder: Path, port: int, sim_url: str, dispatch: bool) -> None:
                   f"max_queue_wait_s = {wait}\n"
                   + (f"queue_budget = {budget}\n" if budget is not None else "") + "\n")
     (policies / "tiers.toml").write_text(tiers)
-
-
-async def make_keys(folder: Path) -> dict[str, str]:
-    from proxy.config import load_config
-    from proxy.credits.ledger import Ledger
-    from proxy.identity.keystore import KeyStore
-    from proxy.store.client import connect_redis
-    from proxy.store.redis_process import RedisProcess
-
-    config = load_config(folder)
-    redis = connect_redis(RedisProcess(config.data_dir / "redis").url, timeout_s=10.0)
-    try:
-        keys = {}
-        for tier in ("basic", "max"):
-            raw, _ = await KeyStore(redis, config.policies.auth.keys).create(
-                f"burst-{tier}", tier, "loadtests")
-            await Ledger(redis).credit(f"burst-{tier}", 10**12, {"reason": "benchmark"})
-            keys[tier] = raw
-        return keys
-    finally:
-        await redis.aclose()
 
 
 async def stream(session: aiohttp.ClientSession, url: str, key: str, text: str
@@ -167,7 +146,8 @@ def one_run(dispatch: bool, basic: int, delay_s: float, root: Path) -> Run:
         gateway = Server("gateway", gateway_args(folder, gw_port, workers=2),
                          folder / "gateway.log", None)
         wait_ready(f"http://127.0.0.1:{gw_port}/readyz", server=gateway)
-        keys = asyncio.run(make_keys(folder))
+        keys = account_keys(folder, {"basic": "basic", "max": "max"},
+                            credits_each=1_000_000)
         asyncio.run(burst(run, f"http://127.0.0.1:{gw_port}", sim_url, keys, basic, delay_s))
     finally:
         if gateway is not None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtests.servers import Server, free_port, gateway_args, wait_ready
+from loadtests.servers import Server, account_keys, free_port, gateway_args, wait_ready
 
 MODEL = "acme/overload"
 TTFT_MS, TOKENS, TOKENS_PER_S = 200, 32, 40  # ~1 s a request
@@ -89,27 +89,6 @@ def write_config(folder: Path, port: int, sims: list[str], dispatch: bool) -> No
         f'[tiers.{name}]\nrequests_per_minute = 100000\nfamilies = ["chat"]\n'
         f'models = {{ "*" = ["direct"] }}\npriority = {priority}\nmax_queue_wait_s = {wait}\n\n'
         for name, priority, wait in TIERS))
-
-
-async def make_keys(folder: Path) -> dict[str, str]:
-    from proxy.config import load_config
-    from proxy.credits.ledger import Ledger
-    from proxy.identity.keystore import KeyStore
-    from proxy.store.client import connect_redis
-    from proxy.store.redis_process import RedisProcess
-
-    config = load_config(folder)
-    redis = connect_redis(RedisProcess(config.data_dir / "redis").url, timeout_s=10.0)
-    try:
-        keys = {}
-        for account, (tier, _) in ACCOUNTS.items():
-            raw, _ = await KeyStore(redis, config.policies.auth.keys).create(
-                f"overload-{account}", tier, "loadtests")
-            await Ledger(redis).credit(f"overload-{account}", 10**12, {"reason": "benchmark"})
-            keys[account] = raw
-        return keys
-    finally:
-        await redis.aclose()
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, key: str, due: float,
@@ -195,7 +174,8 @@ def run_phase(name: str, load: float, dispatch: bool, seconds: float, seed: int,
         servers.append(Server("gateway", gateway_args(folder, gw_port, workers=2),
                               folder / "gateway.log", None))
         wait_ready(f"http://127.0.0.1:{gw_port}/readyz", server=servers[-1])
-        keys = asyncio.run(make_keys(folder))
+        keys = account_keys(folder, {account: tier for account, (tier, _) in ACCOUNTS.items()},
+                            credits_each=1_000_000)
         asyncio.run(drive(phase, f"http://127.0.0.1:{gw_port}", sims, keys, seconds, seed))
     finally:
         for server in reversed(servers):

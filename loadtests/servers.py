@@ -217,10 +217,19 @@ def create_keys(config_dir: Path, count: int, *, credits_each: int) -> list[str]
     """`count` keys of the bench tier, one account each, every account topped up with
     `credits_each` credits. The same library calls as `proxy keys create` and `proxy credits
     add`, in one process: 200 CLI runs would take a minute."""
-    return asyncio.run(_create_keys(config_dir, count, credits_each))
+    accounts = [(f"bench-{i:04d}", BENCH_TIER) for i in range(count)]
+    return asyncio.run(_create_keys(config_dir, accounts, credits_each))
 
 
-async def _create_keys(config_dir: Path, count: int, credits_each: int) -> list[str]:
+def account_keys(config_dir: Path, tiers: Mapping[str, str], *, credits_each: int
+                 ) -> dict[str, str]:
+    """A key for each account of `tiers` (account -> tier), topped up alike: account -> key."""
+    keys = asyncio.run(_create_keys(config_dir, list(tiers.items()), credits_each))
+    return dict(zip(tiers, keys, strict=True))
+
+
+async def _create_keys(config_dir: Path, accounts: Sequence[tuple[str, str]],
+                       credits_each: int) -> list[str]:
     from proxy.config import load_config
     from proxy.credits.ledger import Ledger
     from proxy.identity.keystore import KeyStore
@@ -233,17 +242,16 @@ async def _create_keys(config_dir: Path, count: int, credits_each: int) -> list[
         store = KeyStore(redis, config.policies.auth.keys)
         ledger = Ledger(redis)
 
-        async def one(i: int) -> str:
-            account = f"bench-{i:04d}"
-            raw, _ = await store.create(account, BENCH_TIER, "loadtests")
+        async def one(account: str, tier: str) -> str:
+            raw, _ = await store.create(account, tier, "loadtests")
             await ledger.credit(account, credits_each * 1_000_000,
                                 {"reason": "benchmark", "actor": "loadtests",
                                  "ts": int(time.time())})
             return raw
 
         keys: list[str] = []
-        for start in range(0, count, 50):  # a few at a time: the ledger fsyncs every write
-            keys += await asyncio.gather(*(one(i) for i in range(start, min(count, start + 50))))
+        for start in range(0, len(accounts), 50):  # a few at a time: the ledger fsyncs each
+            keys += await asyncio.gather(*(one(*a) for a in accounts[start:start + 50]))
         return keys
     finally:
         await redis.aclose()

@@ -136,10 +136,9 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
         return await send_whole(request, web.Response(
             body=body, content_type="application/json", headers=headers), result)
 
+    key = early.key if early is not None else affinity(pool, call, ctx.client_headers)
     return await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
-                                    ctx.client_headers, relay,
-                                    affinity(pool, call, ctx.client_headers), ctx.ticket,
-                                    early)
+                                    ctx.client_headers, relay, key, ctx.ticket, early)
 
 
 async def complete(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, pool: Pool, mode: str,

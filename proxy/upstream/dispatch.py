@@ -50,10 +50,11 @@ class Early:
     """A slot being taken while admission runs (its round trip in parallel with admission's):
     the first upstream call uses it; a request that never makes that call gives it back."""
 
-    __slots__ = ("pool", "task", "used")
+    __slots__ = ("key", "pool", "task", "used")
 
-    def __init__(self, pool: Pool, task: asyncio.Task[Backend]) -> None:
+    def __init__(self, pool: Pool, key: bytes | None, task: asyncio.Task[Backend]) -> None:
         self.pool = pool
+        self.key = key  # the request's prefix affinity, computed once
         self.task = task
         self.used = False
 
@@ -106,7 +107,7 @@ class Dispatcher:
         ticket or a shared ledger (nothing to save then)."""
         if ticket is None or self.ledger is None:
             return None
-        return Early(pool, asyncio.get_running_loop().create_task(
+        return Early(pool, key, asyncio.get_running_loop().create_task(
             self.acquire(pool, ticket, key=key)))
 
     def forget(self, early: Early | None) -> None:

@@ -170,6 +170,7 @@ class Backend:
     url: str
     model: str
     weight: int = 1  # backends.toml `weight`: picks favour it in proportion
+    max_concurrency: int = 100_000  # its slots (the engine's batch); default: never binds
 
 
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
@@ -191,7 +192,7 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
     for b in backends:
         text += ("\n[[backends]]\n"
                  f"name = {q(b.name)}\nkind = {q(b.kind)}\nurl = {q(b.url)}\n"
-                 f"models = [{q(b.model)}]\nmax_concurrency = 100000\n"
+                 f"models = [{q(b.model)}]\nmax_concurrency = {b.max_concurrency}\n"
                  + (f"weight = {b.weight}\n" if b.weight != 1 else ""))
     (folder / "backends.toml").write_text(text)
     policies = folder / "policies"

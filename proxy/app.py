@@ -84,6 +84,7 @@ from proxy.upstream.dispatch import Dispatcher
 from proxy.upstream.fetch import MediaFetcher, rules_from
 from proxy.upstream.fleet_state import fleet_key, signals_key
 from proxy.upstream.pool import Router
+from proxy.upstream.prefix_share import PrefixShare
 from proxy.upstream.prober import FleetSync, Prober, probe_session
 from proxy.upstream.slots import SlotLedger
 
@@ -299,6 +300,11 @@ def _upstreams_ctx(resolver: AbstractResolver | None
         app[UPSTREAMS] = Upstreams(config.upstream, app[METRICS],
                                    Dispatcher(ledger, app[METRICS]))
         heartbeat = asyncio.create_task(app[UPSTREAMS].dispatcher.run())
+        # Each worker's prefix placements, shared with the others (upstream.prefix_share).
+        share = PrefixShare(app[COUNTERS], app[ROUTER].by_key)
+        for pool in app[ROUTER].prefix_pools:
+            pool.on_placed = share.placed
+        following = asyncio.create_task(share.run()) if app[ROUTER].prefix_pools else None
         app[DRAIN] = Drain(app[UPSTREAMS].abort_open)
         # Each fetch follows the live policy (MediaFetcher.follow); this is the first.
         app[FETCHER] = MediaFetcher(rules_from(app[CONFIG].policies.requests.fetch),
@@ -306,6 +312,9 @@ def _upstreams_ctx(resolver: AbstractResolver | None
         yield
         await app[FETCHER].close()
         await stop_task(heartbeat)
+        if following is not None:
+            await stop_task(following)
+        await share.close()
         await app[UPSTREAMS].dispatcher.close()
         await app[UPSTREAMS].close()
 

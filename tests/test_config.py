@@ -223,15 +223,16 @@ def test_shipped_config_offers_network_mode() -> None:
 
 def test_routing_section(tmp_path: Path) -> None:
     config = load_config(write(tmp_path / "default", MINIMAL))
-    assert (config.routing.pick, config.routing.load_bound) == ("prefix", 0.25)
+    assert (config.routing.pick, config.routing.prefill_ms_per_1k_tokens) == ("prefix", 60)
     tuned = load_config(write(tmp_path / "tuned", MINIMAL + '\n[routing]\npick = "engine"\n'
-                              'models = { "acme/small-chat" = "p2c" }\nload_bound = 1.0\n'))
+                              'models = { "acme/small-chat" = "p2c" }\ncache_tokens = 4096\n'))
     assert tuned.routing.pick == "engine" and tuned.routing.models == {"acme/small-chat": "p2c"}
+    assert tuned.routing.cache_tokens == 4096
     text = problems_of(write(tmp_path / "bad", MINIMAL + '\n[routing]\npick = "random"\n'
-                             'load_bound = -1\n'))
+                             'prefill_ms_per_1k_tokens = -1\n'))
     assert "backends.toml: routing.pick: Input should be 'prefix', 'engine' or 'p2c'" in text
-    assert "backends.toml: routing.load_bound: Input should be greater than or equal to 0" \
-        in text
+    assert ("backends.toml: routing.prefill_ms_per_1k_tokens: Input should be greater than or "
+            "equal to 0") in text
     text = problems_of(write(tmp_path / "typo", MINIMAL + '\n[routing]\n'
                              'models = { "acme/nope" = "engine" }\n'))
     assert "backends.toml: routing.models: 'acme/nope' is not a chat model of any backend" \

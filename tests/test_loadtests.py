@@ -119,11 +119,11 @@ def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> N
         assert summary["capacity_load_max_over_mean"] == pytest.approx(
             max(c / s for c, s in done) / pool), pick
     assert figures["meta"]["score"] == {"running_weight": 0.25}
-    assert "running x 0.25" in result.stdout
-    # A smoke run judges errors only.
+    assert "running_weight 0.25" in result.stdout
+    # A smoke run judges errors only (here: engine against p2c; no router ran).
     assert figures["passed"] is True
     assert [c["passed"] for c in figures["checks"] if c["name"] != "failed requests, all picks"
-            ] == [None] * 3
+            ] == [None]
     assert took < 40, f"--quick took {took:.0f} s"
 
 

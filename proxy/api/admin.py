@@ -192,7 +192,11 @@ async def list_backends(request: web.Request) -> web.Response:
     dispatcher = request.app[UPSTREAMS].dispatcher
     in_use = await dispatcher.in_flight()
     # The gateway's queue: requests waiting for a slot in this worker, by pool and tier.
+    # The "prefix" pools' picture of their replicas' caches, in this worker.
+    prefix = {pool.key: pool.index.view() for pool in request.app[ROUTER].prefix_pools
+              if pool.index is not None}
     return _json({"object": "list", "worker_pid": os.getpid(), "queues": dispatcher.waiting(),
+                  "prefix_index": prefix,
                   "data": [{**backend_view(b), "slots": {
                       "max": b.spec.max_concurrency,
                       "in_use": None if in_use is None else in_use.get(b.name, 0)}}

@@ -155,8 +155,9 @@ Weight = Annotated[float, msgspec.Meta(ge=0, le=1000)]
 class RoutingSection(Section, frozen=True):
     """How a chat pool picks a replica (proxy.upstream.routing); other pools use "p2c"."""
 
-    # "prefix": one replica per shared prefix (warm prefix cache), within the load bound;
-    # "engine": the lowest load by the engines' own figures; "p2c": two random choices.
+    # "prefix": the least expected time to first token (the replica's wait plus the prefill of
+    # what its prefix cache lacks); "engine": the lowest load by the engines' own figures;
+    # "p2c": two random choices.
     pick: Pick = "prefix"
     models: dict[str, Pick] = {}  # per model, over `pick`
     # Hold requests beyond the engines' slots (each backend's `max_concurrency`, counted across
@@ -164,8 +165,11 @@ class RoutingSection(Section, frozen=True):
     # (proxy.upstream.dispatch); off: each worker sends up to `max_concurrency` per backend and
     # answers 503 beyond it.
     dispatch: bool = True
-    # "prefix" passes over a replica above (1 + load_bound) x the pool's mean load.
-    load_bound: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.25
+    # "prefix": what prefilling 1,000 prompt tokens costs (on the fastest replica), against
+    # a replica's wait; and the KV cache of an engine that does not report its own (vLLM's
+    # `vllm:cache_config_info`), in tokens.
+    prefill_ms_per_1k_tokens: Annotated[float, msgspec.Meta(ge=0, le=100_000)] = 60.0
+    cache_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000_000)] = 1_000_000
     # The engine load score: waiting, running, KV-cache use (0-1), and the requests this worker
     # sent since the last read of the engine's figures.
     waiting_weight: Weight = 1.0

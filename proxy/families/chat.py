@@ -17,7 +17,7 @@ from aiohttp import web
 
 from proxy.config.policies import ChatRequestPolicy
 from proxy.credits.meter import Result
-from proxy.credits.pricing import MediaPart, media_parts
+from proxy.credits.pricing import MediaPart, media_parts, usage_from
 from proxy.errors import ErrorKind, GatewayError, validation_failed
 from proxy.families.base import Ctx
 from proxy.styles import wire
@@ -26,8 +26,8 @@ from proxy.upstream import http1
 from proxy.upstream.client import read_answer
 from proxy.upstream.dispatch import Early
 from proxy.upstream.pool import Backend, Pool
+from proxy.upstream.prefixes import SESSION_HEADER, Prompt, prompt_of
 from proxy.upstream.relay import relay_stream, send_whole
-from proxy.upstream.routing import SESSION_HEADER, prefix_key
 from proxy.validate import RequestInvalid
 
 CHAT_UPSTREAM_PATH = "/v1/chat/completions"
@@ -101,11 +101,11 @@ def engine_priority(ctx: Ctx, backend: Backend) -> int | None:
     return -ctx.ticket.priority
 
 
-def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> bytes | None:
-    """The prefix a "prefix" pool keeps on one replica (hashed only where it is used)."""
-    if pool.pick_kind != "prefix":
+def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> Prompt | None:
+    """The prompt's blocks, for a "prefix" pool to match (hashed only where it is used)."""
+    if pool.index is None:
         return None
-    return prefix_key(call.openai_body, headers.get(SESSION_HEADER))
+    return prompt_of(call.openai_body, headers.get(SESSION_HEADER))
 
 
 async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int,
@@ -136,9 +136,14 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
         return await send_whole(request, web.Response(
             body=body, content_type="application/json", headers=headers), result)
 
-    key = early.key if early is not None else affinity(pool, call, ctx.client_headers)
-    return await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
-                                    ctx.client_headers, relay, key, ctx.ticket, early)
+    prompt = early.prompt if early is not None else affinity(pool, call, ctx.client_headers)
+    response = await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
+                                        ctx.client_headers, relay, prompt, ctx.ticket, early)
+    if prompt is not None and pool.index is not None:  # the engine's count of the prompt
+        usage = usage_from(result.tally.usage if result.tally else result.usage)
+        if usage is not None:
+            pool.index.learn(prompt.chars, usage.prompt_tokens)
+    return response
 
 
 async def complete(ctx: Ctx, style: ChatStyle, call: ChatCall, cap: int, pool: Pool, mode: str,

@@ -36,7 +36,8 @@ request by request. Differences kept on purpose:
 - A full queue always refuses before the response starts; vLLM sometimes admits a stream and
   then refuses it in-band (200, a 503 error event) when the queue filled in between.
 - /metrics serves the families a gateway reads, not all of vLLM's (no `_created` series, no
-  `http_*`, `process_*`, `cache_config_info` or per-phase histograms).
+  `http_*`, `process_*` or per-phase histograms; `cache_config_info` carries only the labels
+  a router reads: `block_size`, `num_gpu_blocks`, `enable_prefix_caching`).
 - `POST /tokenize` counts and names tokens by the simulator's rule (`textgen`): a `prompt`'s
   tokens, or `messages` framed as a chat request's prompt (its `count` is that request's
   `prompt_tokens`); ids are `textgen.token_id`'s stable fakes, `token_strs` is null.
@@ -239,6 +240,10 @@ async def metrics(request: web.Request) -> web.Response:
     engine = state.engine
     out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               engine.kv_usage())
+    out.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+               [({"block_size": str(state.config.block_size),
+                  "enable_prefix_caching": "True",
+                  "num_gpu_blocks": str(state.config.kv_cache_blocks)}, 1.0)])
     out.counter("vllm:prefix_cache_queries_total",
                 "Prefix cache queries, in terms of number of queried tokens.", engine.queries)
     out.counter("vllm:prefix_cache_hits_total",

@@ -36,6 +36,7 @@ from proxy.observe.trace import current_backend
 from proxy.upstream import http1
 from proxy.upstream.dispatch import Dispatcher, Early
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
+from proxy.upstream.prefixes import Prompt
 from proxy.upstream.queue import Ticket
 
 log = logging.getLogger("proxy.upstream")
@@ -117,13 +118,13 @@ class Upstreams:
         headers: Mapping[str, str],
         client_headers: Mapping[str, str],
         use: Callable[[Backend, http1.Response], Awaitable[T]],
-        key: bytes | None = None,
+        prompt: Prompt | None = None,
         ticket: Ticket | None = None,
         early: Early | None = None,
     ) -> T:
         """`exchange` with a backend picked from `pool`, its 2xx response given to `use`;
-        retried once on another backend when the failure is retryable. `key`: the request's
-        prefix affinity (proxy.upstream.routing), for pools that pick by it.
+        retried once on another backend when the failure is retryable. `prompt`: the
+        request's prompt blocks (proxy.upstream.prefixes), for pools that pick by them.
 
         A failure is retryable only while the client has had no byte: an error status, or one
         that `use` raises as retryable (a stream that failed before its first event). `path` may
@@ -134,7 +135,7 @@ class Upstreams:
         (`early`: the one taken while the request was admitted).
         """
         backend = await (early.take() if early is not None
-                         else self.dispatcher.acquire(pool, ticket, key=key))
+                         else self.dispatcher.acquire(pool, ticket, prompt=prompt))
         retried = False
         while True:
             taken_at = time.monotonic()
@@ -150,7 +151,8 @@ class Upstreams:
             finally:
                 self.dispatcher.release(pool, backend, time.monotonic() - taken_at)
             try:
-                backend = await self.dispatcher.acquire(pool, ticket, key=key, exclude=backend)
+                backend = await self.dispatcher.acquire(pool, ticket, prompt=prompt,
+                                                        exclude=backend)
             except GatewayError:
                 raise failed from None
             retried = True

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.upstream.pool import Backend, Pool
+from proxy.upstream.prefixes import Prompt
 from proxy.upstream.queue import Drain, Ticket, TierQueue, Waiter
 from proxy.upstream.slots import BEAT_S, SlotLedger
 
@@ -50,11 +51,11 @@ class Early:
     """A slot being taken while admission runs (its round trip in parallel with admission's):
     the first upstream call uses it; a request that never makes that call gives it back."""
 
-    __slots__ = ("key", "pool", "task", "used")
+    __slots__ = ("pool", "prompt", "task", "used")
 
-    def __init__(self, pool: Pool, key: bytes | None, task: asyncio.Task[Backend]) -> None:
+    def __init__(self, pool: Pool, prompt: Prompt | None, task: asyncio.Task[Backend]) -> None:
         self.pool = pool
-        self.key = key  # the request's prefix affinity, computed once
+        self.prompt = prompt  # the request's prompt blocks, hashed once
         self.task = task
         self.used = False
 
@@ -65,9 +66,9 @@ class Early:
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """What a waiter asks for besides its ticket: its prefix key and a backend to avoid."""
+    """What a waiter asks for besides its ticket: its prompt's blocks and a backend to avoid."""
 
-    key: bytes | None
+    prompt: Prompt | None
     exclude: Backend | None
     queued_at: float
 
@@ -86,29 +87,30 @@ class Dispatcher:
         self._shared = ledger is not None  # False while the ledger's Redis is unreachable
         self._started = asyncio.Event()  # set at the first take: the heartbeat begins
 
-    async def acquire(self, pool: Pool, ticket: Ticket | None, *, key: bytes | None = None,
+    async def acquire(self, pool: Pool, ticket: Ticket | None, *, prompt: Prompt | None = None,
                       exclude: Backend | None = None) -> Backend:
         """A backend of `pool` with a slot held for this request (give it back with
         `release`); 503 when none can be had within the ticket's longest wait. Without a
         ticket (no tier: internal calls), no queue: the pick as before."""
         queue = self._queues.get(pool.key)
         if ticket is None:
-            return self._grant(pool.pick(exclude=exclude, key=key))
+            return pool.pick(exclude=exclude, prompt=prompt)
         ahead, counted = 0, False
         if not queue:  # nobody waits here: try at once (counted as waiting if it must)
-            taken, ahead, counted = await self._take(pool, ticket, key, exclude, queue=True)
+            taken, ahead, counted = await self._take(pool, ticket, prompt, exclude, queue=True)
             if taken is not None:
-                return self._grant(taken)
-        return await self._wait(pool, ticket, Want(key, exclude, time.monotonic()), ahead,
+                pool.placed(taken, prompt)
+                return taken
+        return await self._wait(pool, ticket, Want(prompt, exclude, time.monotonic()), ahead,
                                 counted)
 
-    def start(self, pool: Pool, ticket: Ticket | None, key: bytes | None) -> Early | None:
+    def start(self, pool: Pool, ticket: Ticket | None, prompt: Prompt | None) -> Early | None:
         """Begin taking a slot now, for a request about to be admitted; None without a
         ticket or a shared ledger (nothing to save then)."""
         if ticket is None or self.ledger is None:
             return None
-        return Early(pool, key, asyncio.get_running_loop().create_task(
-            self.acquire(pool, ticket, key=key)))
+        return Early(pool, prompt, asyncio.get_running_loop().create_task(
+            self.acquire(pool, ticket, prompt=prompt)))
 
     def forget(self, early: Early | None) -> None:
         """The request ended without using its early slot (refused at admission, or failed
@@ -177,7 +179,7 @@ class Dispatcher:
 
     # --- taking a slot -------------------------------------------------------------------
 
-    async def _take(self, pool: Pool, ticket: Ticket, key: bytes | None,
+    async def _take(self, pool: Pool, ticket: Ticket, prompt: Prompt | None,
                     exclude: Backend | None, *, queue: bool = False
                     ) -> tuple[Backend | None, int, bool]:
         """A slot on the first preferred backend with one free; None when all are full (or a
@@ -185,8 +187,8 @@ class Dispatcher:
         unknown) and whether the ledger now counts it as waiting (`queue`). 503 when the pool
         has no available backend at all."""
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
-            return pool.preferred(exclude=exclude, key=key)[0], 0, False
-        preferred = pool.preferred(exclude=exclude, key=key, capped=False)
+            return pool.preferred(exclude=exclude, prompt=prompt)[0], 0, False
+        preferred = pool.preferred(exclude=exclude, prompt=prompt, capped=False)
         if not self._started.is_set():  # this process's first: known alive before it takes
             self._started.set()
             with contextlib.suppress(RedisError):
@@ -222,10 +224,6 @@ class Dispatcher:
             self.release(pool, taken, 0.0)
         elif queue:
             self._queued(pool, ticket, -1)
-
-    def _grant(self, backend: Backend) -> Backend:
-        backend.sent.append(time.time())
-        return backend
 
     async def _give_back(self, backend: Backend) -> None:
         assert self.ledger is not None
@@ -276,7 +274,8 @@ class Dispatcher:
             self.metrics.queued(pool.model, ticket.tier, -1)
             self._queued(pool, ticket, -1)
         self.metrics.waited(pool.model, ticket.tier, time.monotonic() - want.queued_at)
-        return self._grant(backend)
+        pool.placed(backend, want.prompt)
+        return backend
 
     def _pump(self, pool: Pool) -> None:
         running = self._pumps.get(pool.key)
@@ -294,7 +293,7 @@ class Dispatcher:
                 continue
             want: Want = head.want
             try:
-                taken, _, _ = await self._take(pool, head.ticket, want.key, want.exclude)
+                taken, _, _ = await self._take(pool, head.ticket, want.prompt, want.exclude)
             except GatewayError as exc:  # no backend available at all: tell them all
                 while (gone := queue.pop()) is not None:
                     if not gone.granted.done():

@@ -37,7 +37,8 @@ from proxy.policy.tiers import FAMILY_NAMES
 from proxy.upstream.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 from proxy.upstream.http1 import Target
-from proxy.upstream.routing import PickKind, Weights
+from proxy.upstream.prefixes import PrefixIndex, Prompt
+from proxy.upstream.routing import PickKind, PromptView, Weights, by_first_token
 from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
 
@@ -70,10 +71,11 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "completion_rate",
-                 "forward", "health",
-                 "max_ejected_ratio", "max_model_len", "name", "outstanding", "peers", "probed",
-                 "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
+    __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "cache_tokens",
+                 "completion_rate", "forward", "health", "max_ejected_ratio", "max_model_len",
+                 "name", "outstanding", "peers", "prefill_until", "probed", "record", "sent",
+                 "service_s",
+                 "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -110,6 +112,8 @@ class Backend:
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
         self.wake: Callable[[], None] | None = None  # set by the prober: probe this one now
+        self.cache_tokens: int | None = None  # its KV cache, as its engine reports it
+        self.prefill_until = 0.0  # monotonic time its prefills sent so far end (estimated)
 
     def probe_soon(self) -> None:
         """After a failure: have the prober look at once (nothing happens where none runs)."""
@@ -168,6 +172,8 @@ class Backend:
         reads spanning `_SERVICE_SAMPLE` completions its time per request."""
         old = self.signals
         self.signals = signals
+        if signals is not None and signals.cache_tokens:
+            self.cache_tokens = int(signals.cache_tokens)
         if (signals is None or old is None or signals.at <= old.at
                 or old.done is None or signals.done is None):
             return
@@ -211,6 +217,18 @@ class Backend:
     def local_score(self) -> float:
         return (self.outstanding + 1) / self.spec.weight
 
+    @property
+    def slots(self) -> int:
+        return self.spec.max_concurrency
+
+    def in_flight(self, now: float) -> float:
+        """Requests on it: the engine's queue and batch as last read (every worker's), plus
+        this worker's sent since; without fresh figures, this worker's own."""
+        load = self.load(now)
+        if load is None:
+            return float(self.outstanding)
+        return load.waiting + load.running + min(self.sent_after(load.at), self.outstanding)
+
 
 @dataclass(frozen=True, slots=True)
 class Saturation:
@@ -221,19 +239,25 @@ class Saturation:
 class Pool:
     """The backends that can serve one model for one task family."""
 
-    __slots__ = ("backends", "key", "load_bound", "model", "pick_kind", "weights")
+    __slots__ = ("_named", "backends", "index", "key", "model", "on_placed", "pick_kind",
+                 "prefill_s_per_token", "weights")
 
     def __init__(self, model: str, backends: Sequence[Backend], pick_kind: PickKind = "p2c",
                  routing: RoutingSection | None = None, key: str | None = None) -> None:
         self.model = model
         self.backends = tuple(backends)
+        self._named = {b.name: b for b in self.backends}
         # Its name in the dispatcher's shared state (proxy.upstream.slots): the same in every
         # worker and on every host with the same backends.toml.
         self.key = key or f"{model}@{','.join(b.name for b in self.backends)}"
         self.pick_kind: PickKind = pick_kind
         r = routing or RoutingSection()
         self.weights = Weights.of(r)
-        self.load_bound = r.load_bound
+        self.prefill_s_per_token = r.prefill_ms_per_1k_tokens / 1e6
+        # What its replicas hold, for "prefix" (proxy.upstream.prefixes), and who hears of
+        # each placement (the other workers: proxy.upstream.prefix_share).
+        self.index = PrefixIndex(r.cache_tokens) if pick_kind == "prefix" else None
+        self.on_placed: Callable[[Pool, Backend, Prompt], None] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -246,26 +270,66 @@ class Pool:
         return min(known) if known else None
 
     def pick(self, exclude: Backend | None = None, rng: random.Random | None = None,
-             key: bytes | None = None) -> Backend:
-        """A backend for one request (`key`: its prefix affinity, for the "prefix" pick)."""
-        chosen = self.preferred(exclude, rng, key)[0]
-        chosen.sent.append(time.time())
+             prompt: Prompt | None = None) -> Backend:
+        """A backend for one request (`prompt`: what the "prefix" pick matches), placed."""
+        chosen = self.preferred(exclude, rng, prompt)[0]
+        self.placed(chosen, prompt)
         return chosen
 
     def preferred(self, exclude: Backend | None = None, rng: random.Random | None = None,
-                  key: bytes | None = None, capped: bool = True) -> list[Backend]:
-        """The available backends (`capped`: below this worker's cap too; else healthy), the
-        pick's choice first, then the others by this worker's requests in flight per unit of
-        weight: where a request goes if its first choice has no free slot. 503 when none."""
+                  prompt: Prompt | None = None, capped: bool = True) -> list[Backend]:
+        """The available backends (`capped`: below this worker's cap too; else healthy) in the
+        order the request should have them: where it goes if its first choice has no free
+        slot. "prefix" orders them all by expected time to first token; the other picks put
+        their choice first, then the others by this worker's requests in flight per unit of
+        weight. 503 when none."""
         candidates = [b for b in self.backends
                       if (b.available if capped else b.healthy) and b is not exclude]
         if not candidates:
             raise self._none_available(exclude)
-        chosen = choose(self.pick_kind, candidates, key=key, weights=self.weights,
-                        load_bound=self.load_bound, now=time.time(), rng=rng or _RNG)
+        now = time.time()
+        if self.index is not None and prompt is not None:
+            index = self.index
+            for b in candidates:
+                index.resize(b.name, b.cache_tokens)
+            clock = time.monotonic()
+            view = PromptView(
+                uncached_tokens=[index.uncached_tokens(b.name, prompt) for b in candidates],
+                tokens=index.tokens(prompt),
+                backlog_s=[max(0.0, b.prefill_until - clock) for b in candidates],
+                idle_s=[index.idle_s(b.name, clock) for b in candidates],
+                held=[index.size(b.name) for b in candidates])
+            ordered = by_first_token(candidates, view, self.prefill_s_per_token, now,
+                                     rng or _RNG)
+            return [b for b in ordered if isinstance(b, Backend)]
+        chosen = choose(self.pick_kind, candidates, weights=self.weights, now=now,
+                        rng=rng or _RNG)
         assert isinstance(chosen, Backend)
         return [chosen, *sorted((b for b in candidates if b is not chosen),
                                 key=Backend.local_score)]
+
+    def placed(self, backend: Backend, prompt: Prompt | None) -> None:
+        """A request was bound to `backend`: it counts as sent, and its prompt's blocks as
+        held there."""
+        backend.sent.append(time.time())
+        if self.index is not None and prompt is not None:
+            self.hold(backend.name, prompt)
+            if self.on_placed is not None:
+                self.on_placed(self, backend, prompt)
+
+    def hold(self, name: str, prompt: Prompt) -> None:
+        """The replica `name` was sent `prompt` (by this worker or another): it prefills what
+        it lacked, after what it was sent before, and holds the prompt's blocks from now."""
+        assert self.index is not None
+        now = time.monotonic()
+        backend = self._named.get(name)
+        if backend is not None:
+            known = [b.service_s for b in self.backends if b.service_s]
+            slowness = (backend.service_s / min(known)
+                        if backend.service_s and len(known) == len(self.backends) else 1.0)
+            work = self.index.uncached_tokens(name, prompt) * self.prefill_s_per_token
+            backend.prefill_until = max(backend.prefill_until, now) + work * slowness
+        self.index.add(name, prompt.blocks, now)
 
     def saturation(self, now: float) -> Saturation | None:
         """How deep the engines' queues are, from their fresh figures (None: none known)."""
@@ -332,6 +396,7 @@ class Router:
                                  r.models.get(key[1], r.pick) if key[0] == "chat" else "p2c", r,
                                  key="/".join(key))
                        for key, group in grouped.items()}
+        self._by_key = {pool.key: pool for pool in self._pools.values()}
         for backend in self.backends:  # the ejection cap is counted per pool
             backend.peers = tuple(pool.backends for pool in self._pools.values()
                                   if backend in pool.backends)
@@ -342,6 +407,15 @@ class Router:
             offered_in.setdefault(model, set()).add(offered)
         self._modes = {model: [m for m in MODES if m in modes]
                        for model, modes in offered_in.items()}
+
+    def by_key(self, key: str) -> Pool | None:
+        """The pool named `key` (`Pool.key`) in this gateway's backends.toml."""
+        return self._by_key.get(key)
+
+    @property
+    def prefix_pools(self) -> list[Pool]:
+        """The pools that match prompts to their replicas' caches."""
+        return [pool for pool in self._pools.values() if pool.index is not None]
 
     def chat_pool(self, model: str) -> Pool:
         return self.pool("chat", model)

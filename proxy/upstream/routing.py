@@ -1,35 +1,30 @@
-"""How a pool chooses among its available replicas, on the engines' own signals. No I/O.
+"""How a pool orders its available replicas for a request, on the engines' own signals. No I/O.
 
     p2c     two weighted random candidates, fewer requests in flight (this worker's) wins
     engine  of two weighted random candidates, the lower load score: the engine's waiting
             queue, running batch and KV-cache use (as the master last read them) plus the
             requests this worker sent it since that read; P2C on this worker's counts where no
             fresh figures exist
-    prefix  requests sharing a prefix (system prompt and first user turn, or `X-Session-Id`)
-            go to one replica by rendezvous hashing weighted by capacity (weight over measured
-            speed class), the same in every worker and on every host, so its prefix cache stays
-            warm; a replica above (1 + load_bound) x its share of the pool's load is passed
-            over for the next in rendezvous order (bounded-load hashing)
-
-The prefix is hashed (BLAKE2b, 16 bytes) as soon as it is read; nothing keeps the raw text.
+    prefix  by expected time to first token: the wait for a slot on the replica plus the
+            prefill of the part of the prompt it does not hold (proxy.upstream.prefixes), at its
+            measured speed; so a request goes where its longest prefix is cached unless that
+            replica's load costs more than prefilling elsewhere. With the dispatcher the
+            request takes the first replica in that order with a free slot, when one frees
+            (late binding)
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-import orjson
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from proxy.config import RoutingSection
+    from proxy.upstream.signals import EngineSignals
 
 PickKind = Literal["p2c", "engine", "prefix"]
-SESSION_HEADER = "X-Session-Id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,62 +72,96 @@ class Replica(Protocol):
     def outstanding(self) -> int: ...  # this worker's requests in flight on it
     @property
     def service_s(self) -> float | None: ...  # seconds a request spends in it, measured
+    @property
+    def slots(self) -> int: ...  # requests its engine runs at once (`max_concurrency`)
     def local_score(self) -> float: ...
     def engine_load(self, weights: Weights, now: float) -> float | None: ...
+    def in_flight(self, now: float) -> float: ...  # requests on it, every worker's if known
+    def load(self, now: float) -> EngineSignals | None: ...  # its engine's figures, if fresh
 
 
-def prefix_key(body: Mapping[str, Any], session: str | None) -> bytes | None:
-    """The affinity key of a chat request: its session header, else its system prompt(s) and
-    first user turn (OpenAI-shaped `messages`), hashed; None when there is nothing to share."""
-    digest = hashlib.blake2b(digest_size=16)
-    if session:
-        digest.update(b"session\0" + session.encode("utf-8", "replace"))
-        return digest.digest()
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    shared: list[Any] = []
-    for message in messages:
-        if not isinstance(message, dict):
-            break
-        role = message.get("role")
-        if role in ("system", "developer"):
-            shared.append(message.get("content"))
-        elif role == "user":
-            shared.append(message.get("content"))
-            break
-        else:
-            break
-    if not shared:
-        return None
-    digest.update(orjson.dumps(shared, option=orjson.OPT_SORT_KEYS))
-    return digest.digest()
-
-
-def rendezvous_order(key: bytes, replicas: Sequence[Replica],
-                     weights: Mapping[str, float] | None = None) -> list[Replica]:
-    """Replicas by weighted rendezvous (highest random weight) for `key`: the same order
-    wherever it is computed, and removing a replica moves only the keys it had. `weights` by
-    name (default: each replica's configured weight)."""
-    def rank(replica: Replica) -> float:
-        h = hashlib.blake2b(key + replica.name.encode(), digest_size=8).digest()
-        u = (int.from_bytes(h, "big") + 1) / (2**64 + 1)  # in (0, 1)
-        weight = weights[replica.name] if weights is not None else replica.weight
-        return -weight / math.log(u)
-
-    return sorted(replicas, key=rank, reverse=True)
-
-
-def pick(kind: PickKind, replicas: Sequence[Replica], *, key: bytes | None, weights: Weights,
-         load_bound: float, now: float, rng: random.Random) -> Replica:
-    """One of `replicas` (non-empty, all available) for a request."""
+def pick(kind: PickKind, replicas: Sequence[Replica], *, weights: Weights, now: float,
+         rng: random.Random) -> Replica:
+    """One of `replicas` (non-empty, all available) for a request (a "prefix" pool's request
+    without a prompt to match: by engine load)."""
     if len(replicas) == 1:
         return replicas[0]
-    if kind == "prefix" and key is not None:
-        return _bounded_rendezvous(replicas, key, weights, load_bound, now, rng)
     if kind in ("engine", "prefix"):
         return _lowest_engine_load(replicas, weights, now, rng)
     return _p2c(replicas, rng)
+
+
+DEFAULT_SERVICE_S = 1.0  # a request's time on a replica, until one is measured
+# How much a request in flight on a replica with a free slot delays a new one, in service
+# times per slot: prefills and decode steps share the engine's batch. Small, so a cached
+# prefix wins over a few requests' difference in load, not over a full batch.
+CONTENTION = 0.1
+# What caching a prompt's tokens on a replica costs the blocks it evicts there, in prefills of
+# those tokens: they are prefilled again later, by this prompt's next request or another's.
+# Without it a prompt moved whenever its replica was briefly busier, and the copy evicted
+# others' prompts (hit rate 58 % at 0, 67 % at 0.5, 70 % at 1, 73 % at 2 and 4, p99 TTFT best
+# at 2: loadtests.routing, 2026-11-27).
+CACHE_USE = 2.0
+COLD_SHARE = 0.7  # a prompt of which no replica holds 30 % is placed as a new one
+
+
+@dataclass(frozen=True, slots=True)
+class PromptView:
+    """What the pool knows of one prompt on each candidate replica (in candidate order)."""
+
+    uncached_tokens: Sequence[float]  # what each would have to prefill
+    tokens: float  # the whole prompt
+    backlog_s: Sequence[float]  # prefill work each was sent and has not finished (estimated)
+    idle_s: Sequence[float]  # how long unused the block each would evict next has been
+    held: Sequence[int]  # blocks each is known to hold
+
+
+def by_first_token(replicas: Sequence[Replica], view: PromptView, prefill_s_per_token: float,
+                   now: float, rng: random.Random) -> list[Replica]:
+    """`replicas` by the expected time to a prompt's first token on each, least first: the
+    wait for one of its slots (with its requests in flight), the prefills it was sent ahead
+    of this one, and the prefill of what it does not hold of the prompt, at its measured
+    speed.
+
+    A prompt no replica holds `COLD_SHARE` of is new: among the replicas within one fast
+    prefill of it of the cheapest, it goes where the cache would evict the block unused
+    longest (one with room first, the emptiest of those), so new prompts spread over every
+    replica's cache; choosing by speed alone put every new prompt on the fast replicas and
+    left the slow one's cache idle (and within three prefills, its prefill lane backed up:
+    p99 0.6 s against 0.25 s; loadtests.routing, 2026-11-27)."""
+    services = [r.service_s for r in replicas]
+    measured = all(s is not None and s > 0 for s in services)
+    fastest = min(s or 0.0 for s in services) if measured else DEFAULT_SERVICE_S
+    costs = {}
+    for replica, service, uncached, backlog in zip(replicas, services, view.uncached_tokens,
+                                                   view.backlog_s, strict=True):
+        held = service if measured and service else DEFAULT_SERVICE_S
+        slots = max(1, replica.slots)
+        load = replica.in_flight(now)
+        # Requests ahead of it: beyond the replica's slots, or in its engine's own queue (an
+        # engine running fewer than its slots, KV cache full, or others sending to it too),
+        # which drain as its running batch finishes. A slot frees at the replica's own pace;
+        # sharing its batch slows a first token about alike everywhere (a batch's decode steps
+        # are cheap beside a prefill).
+        ahead, batch = max(0.0, load + 1 - slots), float(slots)
+        engine = replica.load(now)
+        if engine is not None and engine.waiting > ahead:
+            ahead, batch = engine.waiting, min(batch, max(1.0, engine.running))
+        wait = held * ahead / batch + fastest * CONTENTION * load / slots
+        prefill = uncached * prefill_s_per_token
+        costs[id(replica)] = wait + backlog + prefill * held / fastest + CACHE_USE * prefill
+
+    def tie(replica: Replica) -> float:  # weighted random: twice the weight, first twice as often
+        return -float(rng.random() ** (1 / replica.weight))
+
+    if min(view.uncached_tokens) < COLD_SHARE * view.tokens:
+        return sorted(replicas, key=lambda r: (costs[id(r)], tie(r)))
+    margin = min(costs.values()) + view.tokens * prefill_s_per_token
+    room = {id(r): (-idle, held) for r, idle, held in zip(replicas, view.idle_s, view.held,
+                                                          strict=True)}
+    return sorted(replicas, key=lambda r: (costs[id(r)] > margin,
+                                           room[id(r)] if costs[id(r)] <= margin
+                                           else (costs[id(r)], 0), tie(r)))
 
 
 def _two_choices(replicas: Sequence[Replica], rng: random.Random,
@@ -177,36 +206,3 @@ def _lowest_engine_load(replicas: Sequence[Replica], weights: Weights, now: floa
     return _two_choices(replicas, rng, lambda r: score[id(r)])
 
 
-def speed_classes(replicas: Sequence[Replica]) -> list[int]:
-    """How many times slower than the fastest each replica is, by measured time per request,
-    rounded to a whole number (1 for all until every one is measured). Coarse on purpose: a
-    prefix's owner changes only when a replica's speed changes class, not with every reading,
-    so caches are not churned."""
-    services = [r.service_s for r in replicas]
-    if not all(s is not None and s > 0 for s in services):
-        return [1] * len(replicas)
-    fastest = min(s or 0.0 for s in services)
-    return [max(1, round((s or 0.0) / fastest)) for s in services]
-
-
-def _bounded_rendezvous(replicas: Sequence[Replica], key: bytes, weights: Weights,
-                        load_bound: float, now: float, rng: random.Random) -> Replica:
-    # Unscaled loads: the bound keeps a replica's prefixes on it while its queue is within
-    # its share (scaled by speed as well, a slow replica's keys spilled most of the time and
-    # thrashed the fast replicas' caches: loadtests.routing, 2026-11-25).
-    loads = _engine_loads(replicas, weights, now) or [float(r.outstanding) for r in replicas]
-    # A replica owns prefixes, and may hold load, in proportion to its capacity: its weight
-    # over how many times slower it measures than the fastest.
-    capacity = {r.name: r.weight / c
-                for r, c in zip(replicas, speed_classes(replicas), strict=True)}
-    load = {r.name: x for r, x in zip(replicas, loads, strict=True)}
-    # Bounded-load hashing: a replica takes the request while its load with it stays within
-    # (1 + load_bound) x its share of the pool's load with it, rounded up (so an idle pool
-    # sends every key home).
-    total = sum(loads) + 1.0
-    share = sum(capacity.values())
-    for replica in rendezvous_order(key, replicas, capacity):
-        room = math.ceil((1 + load_bound) * total * capacity[replica.name] / share - 1e-9)
-        if load[replica.name] + 1.0 <= room:
-            return replica
-    return _lowest_engine_load(replicas, weights, now, rng)  # all over their room (rounding)

@@ -1,7 +1,8 @@
 """What an engine says of its own load, read from its Prometheus `/metrics` text. No I/O.
 
 vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`
-(0..1), summed over the models one server serves. TGI: `tgi_queue_size`,
+(0..1), summed over the models one server serves, and the size of its KV cache in tokens
+(`vllm:cache_config_info`'s `num_gpu_blocks` x `block_size`). TGI: `tgi_queue_size`,
 `tgi_batch_current_size`, and the batch's share of its token budget
 (`tgi_batch_current_max_tokens` / `tgi_batch_max_total_tokens`) standing in for KV use. Both
 count completed requests (`vllm:request_success_total`, `tgi_request_success`), from which the
@@ -32,6 +33,7 @@ class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
     kv: float | None  # share of the KV cache (or token budget) in use, 0..1; None: unknown
     at: float
     done: float | None = None  # requests the engine has completed since it started (a counter)
+    cache_tokens: float | None = None  # the KV cache's size, in tokens (vLLM)
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
@@ -57,6 +59,10 @@ def parse_signals(kind: str, text: str, at: float) -> EngineSignals | None:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name == "vllm:cache_config_info":
+                    found["cache_tokens"] = found.get("cache_tokens", 0.0) + _cache_tokens(
+                        sample.labels)
+                    continue
                 field = names.get(sample.name)
                 if field is not None and sample.value == sample.value:  # NaN: not a figure
                     found[field] = found.get(field, 0.0) + max(0.0, sample.value)
@@ -69,4 +75,13 @@ def parse_signals(kind: str, text: str, at: float) -> EngineSignals | None:
         budget = found.get("budget")
         kv = found["batch_tokens"] / budget if budget and "batch_tokens" in found else None
     return EngineSignals(waiting=found["waiting"], running=found["running"],
-                         kv=None if kv is None else min(1.0, kv), at=at, done=found.get("done"))
+                         kv=None if kv is None else min(1.0, kv), at=at, done=found.get("done"),
+                         cache_tokens=found.get("cache_tokens") or None)
+
+
+def _cache_tokens(labels: dict[str, str]) -> float:
+    """A vLLM engine's KV cache in tokens, from its cache config's labels (0: not stated)."""
+    try:
+        return max(0.0, float(labels["num_gpu_blocks"]) * float(labels["block_size"]))
+    except (KeyError, ValueError):
+        return 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp.test_utils import TestServer
@@ -19,8 +20,10 @@ CHAT = "/v2/compat/v1/chat/completions"
 
 
 def body(system: str, user: str) -> dict[str, object]:
+    # A system prompt of a few hundred bytes: several of the blocks `prefix` matches.
     return {"model": MODEL, "max_tokens": 4, "messages": [
-        {"role": "system", "content": system}, {"role": "user", "content": user}]}
+        {"role": "system", "content": system + " Answer briefly and politely." * 10},
+        {"role": "user", "content": user}]}
 
 
 def serving(sims: list[TestServer], tmp: Path, redis_url: str) -> Stack:
@@ -84,25 +87,37 @@ async def test_a_replica_whose_queue_is_full_gets_nothing_until_it_drains(
 
         await ask()
         home = next(i for i, n in (await served_by(sims)).items() if n)  # the prefix's replica
-        # Another client fills home's batch and queue, straight to the engine.
-        hung = await direct.post(sims[home].make_url("/v1/chat/completions"), json={
-            **body("x", "y"), "stream": True}, headers={"x-sim-hang-after": "1"})
-        await hung.content.readline()
-        queued = [asyncio.create_task(direct.post(sims[home].make_url("/v1/chat/completions"),
-                                                  json=body("x", "y"))) for _ in range(4)]
-        await asyncio.sleep(1.5)  # the master reads it; both workers follow
+
+        async def fill(replica: int) -> tuple[aiohttp.ClientResponse, list[Any]]:
+            """Another client fills the replica's batch and queue, straight to the engine."""
+            hung = await direct.post(sims[replica].make_url("/v1/chat/completions"), json={
+                **body("x", "y"), "stream": True}, headers={"x-sim-hang-after": "1"})
+            await hung.content.readline()
+            queued = [asyncio.create_task(direct.post(
+                sims[replica].make_url("/v1/chat/completions"), json=body("x", "y")))
+                for _ in range(4)]
+            await asyncio.sleep(1.5)  # the master reads it; both workers follow
+            return hung, queued
+
+        async def drain(hung: aiohttp.ClientResponse, queued: list[Any]) -> None:
+            hung.close()
+            for task in queued:
+                (await task).close()
+            await asyncio.sleep(1.5)
+
+        hung, queued = await fill(home)
         before = await served_by(sims)
         for _ in range(8):
             await ask()
         moved = await served_by(sims) - before
         assert moved == Counter({1 - home: 8}), moved  # none joined the full queue
-        hung.close()  # it drains ...
-        for task in queued:
-            (await task).close()
-        await asyncio.sleep(1.5)
+        await drain(hung, queued)
+        # Now both replicas hold the prefix: with the other one full, home takes it again.
+        hung, queued = await fill(1 - home)
         before = await served_by(sims)
         for _ in range(4):
             await ask()
-        assert await served_by(sims) - before == Counter({home: 4})  # ... and the prefix is back
+        assert await served_by(sims) - before == Counter({home: 4})
+        await drain(hung, queued)
     finally:
         await direct.close()

@@ -18,17 +18,18 @@ from proxy.upstream.slots import LAPSE_S, SlotLedger
 from tests.support.accounts import funded_key, new_key
 from tests.support.config_files import MODEL
 from tests.support.gateway import GatewayFactory, settled
+from tests.support.media_stack import PRICES, TTS_MODEL
 from tests.support.redis_servers import RedisProcess
 from tests.support.upstreams import SimulatorFactory, sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
 
 
-def tiers(basic_wait: float = 30.0) -> str:
+def tiers(basic_wait: float = 30.0, families: str = '"chat"') -> str:
     return "".join(f"""
 [tiers.{name}]
 requests_per_minute = 10000
-families = ["chat"]
+families = [{families}]
 models = {{ "*" = ["direct"] }}
 priority = {priority}
 max_queue_wait_s = {wait}
@@ -271,3 +272,32 @@ async def test_an_engine_that_schedules_by_priority_runs_max_first_in_its_own_qu
     async with aiohttp.ClientSession() as s, s.post(fcfs.make_url("/v1/chat/completions"), json={
             "model": MODEL, "priority": -3, "messages": [{"role": "user", "content": "x"}]}) as r:
         assert r.status == 400 and "Priority scheduling is not enabled" in await r.text()
+
+
+async def test_speech_requests_get_slots_and_tier_order_too(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """A TTS server that synthesizes one request at a time (0.3 s each): a Basic burst waits
+    in the gateway, a Max request sent after it runs next, and the server never has two."""
+    sim = await simulator("tts", models=(TTS_MODEL,), ttft_ms=300, max_concurrency=1)
+    backend = {"name": "tts0", "kind": "tts", "url": str(sim.make_url("/")).rstrip("/"),
+               "models": [TTS_MODEL], "max_concurrency": 1}
+    gw = await gateway(backend, policies={"tiers.toml": tiers(families='"chat", "tts"'),
+                                          "prices.toml": PRICES})
+    basic, top = await keys(clean_redis.url, ("basic", "acct-tts-b"), ("max", "acct-tts-m"))
+
+    async def say(key: str, text: str) -> int:
+        async with aiohttp.ClientSession() as s, s.post(
+                gw.make_url("/v2/audio/tts/engine"), headers={"X-API-Key": key},
+                json={"text": text, "preset_voice": "Emma"}) as r:
+            await r.read()
+            return r.status
+
+    burst = [asyncio.create_task(say(basic, f"basic {i}")) for i in range(4)]
+    await asyncio.sleep(0.15)
+    first_max = asyncio.create_task(say(top, "max"))
+    assert await asyncio.gather(*burst, first_max) == [200] * 5
+    records = await sim_requests(sim)
+    seen = [r["body"]["input"] for r in records]
+    assert seen[1] == "max", seen
+    # One at a time: the server refuses a second one in flight, and it never had to.
+    assert {r["outcome"] for r in records} == {"completed"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import Counter
@@ -9,15 +10,26 @@ from typing import Any
 
 import pytest
 from msgspec.structs import replace
+from redis.asyncio import Redis
 
 from proxy.config import BackendSpec, RoutingSection, TierPolicy
 from proxy.errors import ErrorKind, GatewayError
 from proxy.policy.tiers import check_queue_budget
 from proxy.upstream.pool import Backend, Pool, Router
-from proxy.upstream.routing import prefix_key, rendezvous_order
-from proxy.upstream.signals import EngineSignals
+from proxy.upstream.prefix_share import PrefixShare
+from proxy.upstream.prefixes import BLOCK_CHARS, HASH_BYTES, Prompt, prompt_of
+from proxy.upstream.signals import EngineSignals, parse_signals
+from tests.support.redis_servers import RedisProcess
 
 MODEL = "acme/small-chat"
+# As vLLM 0.32 writes it (shared/real-engines/vllm-metrics.txt; most labels left out).
+CACHE_CONFIG = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",\
+kv_cache_size_tokens="1048576",num_cpu_blocks="None",num_gpu_blocks="8192"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+"""
 
 
 def spec(name: str, weight: int = 1) -> BackendSpec:
@@ -45,54 +57,144 @@ def turns(system: str, *users: str) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages}
 
 
-def test_the_prefix_is_the_system_prompt_and_first_user_turn() -> None:
-    one = prefix_key(turns("You are terse.", "Hi", "and more"), None)
-    assert one is not None and len(one) == 16
-    assert prefix_key(turns("You are terse.", "Hi", "something else"), None) == one
-    assert prefix_key(turns("You are terse.", "Hello"), None) != one
-    assert prefix_key(turns("You are verbose.", "Hi"), None) != one
-    session = prefix_key(turns("You are terse.", "Hi"), "user-42")
-    assert session not in (None, one)
-    assert prefix_key(turns("Other", "x"), "user-42") == session  # the session decides
-    assert prefix_key({"messages": "not a list"}, None) is None
-    assert prefix_key({"messages": [{"role": "assistant", "content": "x"}]}, None) is None
-    assert b"terse" not in (one or b"")
+def test_a_prompts_blocks_are_shared_exactly_as_far_as_prompts_begin_alike() -> None:
+    system = "You are a careful assistant. " * 30  # several blocks on its own
+    first = prompt_of(turns(system, "What is a mole? " * 20))
+    assert first is not None and len(first.blocks) >= 6
+    assert all(len(block) == HASH_BYTES for block in first.blocks)
+    other = prompt_of(turns(system, "Name a prime. " * 20))
+    assert other is not None
+    shared = next(i for i, (x, y) in enumerate(zip(first.blocks, other.blocks, strict=False))
+                  if x != y)
+    assert shared >= len(system) // BLOCK_CHARS - 1  # the system prompt's blocks, and no more
+    # The next turn of the conversation begins with every block of the one before it.
+    later = prompt_of(turns(system, "What is a mole? " * 20, "And a kilomole? " * 10))
+    assert later is not None and later.blocks[:len(first.blocks)] == first.blocks
+    assert len(later.blocks) > len(first.blocks)
+    # A session seeds the chain: its turns match each other, not other conversations.
+    session = prompt_of(turns(system, "What is a mole?"), "user-42")
+    assert session is not None and session.blocks[0] != first.blocks[0]
+    assert prompt_of({"messages": "not a list"}) is None
+    assert prompt_of({"messages": []}) is None
+    assert b"careful" not in b"".join(first.blocks)
 
 
-def test_one_prefix_one_replica_and_the_same_in_every_worker() -> None:
-    # Two routers stand for two workers (or two hosts): each picks alone.
-    pools = [chat_pool("a", "b", "c"), chat_pool("a", "b", "c")]
-    chosen = Counter()
-    for i in range(20):
-        key = prefix_key(turns(f"system prompt {i}", "hi"), None)
-        names = {pool.pick(key=key, rng=random.Random(n)).name
-                 for pool in pools for n in range(5)}
-        assert len(names) == 1, names
-        chosen[names.pop()] += 1
-    assert len(chosen) == 3 and min(chosen.values()) >= 3  # 20 prefixes spread over all three
+def test_a_prompt_goes_to_the_replica_holding_its_longest_prefix() -> None:
+    pool = chat_pool("a", "b", "c")
+    system = "Answer in French. " * 40
+    placed = pool.pick(prompt=prompt_of(turns(system, "hello")))
+
+    def after_its_prefill(prompt: Prompt | None) -> Backend:
+        placed.prefill_until = 0.0  # each request comes once the one before was prefilled
+        return pool.pick(prompt=prompt)
+
+    # Any later request that shares the system prompt, and the conversation's next turns.
+    for user in ("bonjour", "a longer question " * 20):
+        assert after_its_prefill(prompt_of(turns(system, user))) is placed
+    assert after_its_prefill(prompt_of(turns(system, "hello", "more"))) is placed
+    # A different system prompt is free to go elsewhere: the least loaded.
+    placed.outstanding = 3
+    other = pool.pick(prompt=prompt_of(turns("Answer in German. " * 40, "hallo")))
+    assert other is not placed
 
 
-def test_losing_a_replica_moves_only_its_own_prefixes() -> None:
-    three = chat_pool("a", "b", "c").backends
-    keys = [bytes([i, i + 1]) * 8 for i in range(200)]
-    before = {k: rendezvous_order(k, three)[0].name for k in keys}
-    after = {k: rendezvous_order(k, [b for b in three if b.name != "b"])[0].name for k in keys}
-    moved = [k for k in keys if before[k] != after[k]]
-    assert moved and all(before[k] == "b" for k in moved)
-
-
-def test_an_overloaded_prefix_target_spills_to_the_next_in_order() -> None:
-    pool = chat_pool("a", "b", "c", load_bound=0.25)
-    key = prefix_key(turns("shared system prompt", "hi"), None)
-    assert key is not None
-    first, second, _ = rendezvous_order(key, pool.backends)
+def test_a_busy_holder_loses_to_prefilling_elsewhere_and_then_both_hold_it() -> None:
+    pool = chat_pool("a", "b", "c", prefill_ms_per_1k_tokens=60)
+    prompt = prompt_of(turns("Shared instructions. " * 60, "q"))
+    assert prompt is not None
+    holder = pool.pick(prompt=prompt)
     for backend in pool.backends:
-        load(backend, waiting=2, running=2)
-    assert pool.pick(key=key) is first
-    load(first, waiting=30, running=8)  # far above the mean: the next replica takes it
-    assert pool.pick(key=key) is second
-    load(first, waiting=2, running=2)  # drained: back to its own replica
-    assert pool.pick(key=key) is first
+        backend.service_s = 0.5
+        load(backend, waiting=0, running=2)
+    assert pool.preferred(prompt=prompt)[0] is holder  # cached: worth more than 2 in flight
+    # Its batch full and a queue behind it: waiting costs more than prefilling elsewhere.
+    load(holder, waiting=4, running=pool.backends[0].slots)
+    spill = pool.pick(prompt=prompt)
+    assert spill is not holder
+    load(holder, waiting=0, running=2)
+    load(spill, waiting=0, running=2)
+    # Now both hold it: it goes to whichever of them is less loaded, never to the third.
+    load(holder, waiting=0, running=5)
+    assert pool.preferred(prompt=prompt)[0] is spill
+    third = next(b for b in pool.backends if b not in (holder, spill))
+    assert pool.preferred(prompt=prompt)[-1] is third
+
+
+def test_a_slow_replica_prefills_slower_and_a_busy_prefill_lane_counts() -> None:
+    pool = chat_pool("fast", "slow", prefill_ms_per_1k_tokens=60)
+    fast, slow = pool.backends
+    fast.service_s, slow.service_s = 0.4, 1.2
+    long = prompt_of(turns("Be brief. " * 400, "q"))  # ~1,000 tokens
+    assert long is not None and pool.index is not None
+    pool.index.add("slow", long.blocks, 0.0)
+    for backend in pool.backends:
+        load(backend, waiting=0, running=1)
+    # Held there: its prefill of what is left, three times slower, still beats 1,000 tokens.
+    assert pool.preferred(prompt=long)[0] is slow
+    # Five cold prompts just sent to the slow replica: it is busy prefilling them for a while.
+    for i in range(5):
+        other = prompt_of(turns(f"Other {i}. " * 400, "q"))
+        assert other is not None
+        pool.hold("slow", other)
+    assert slow.prefill_until - time.monotonic() > 5 * 0.06 * 3 * 0.9
+    assert pool.preferred(prompt=long)[0] is fast
+
+
+def test_the_index_forgets_what_the_engines_cache_cannot_hold() -> None:
+    pool = chat_pool("a", "b", cache_tokens=1_000_000)
+    a, _ = pool.backends
+    index = pool.index
+    assert index is not None
+    a.take_signals(parse_signals("vllm", CACHE_CONFIG.replace("\\\n", ""), time.time()))
+    assert a.cache_tokens == 8192 * 128
+    index.resize("a", 1000)  # 1,000 tokens: 31 blocks of 128 bytes
+    prompts = [prompt_of(turns(f"{i} " * 1000, "q")) for i in range(3)]
+    for prompt in prompts:
+        assert prompt is not None
+        index.add("a", prompt.blocks, 0.0)
+    assert index.size("a") == 1000 * 4 // BLOCK_CHARS == 31  # 4 bytes a token, until learned
+    # The oldest went, and the next one from its end: its beginning still matches.
+    assert [index.matched("a", p) for p in prompts if p] == [0, 15, 16]
+    recent = prompt_of(turns("r " * 40, "q"))
+    assert recent is not None
+    index.add("a", recent.blocks, 0.0)
+    assert index.matched("a", recent) == len(recent.blocks)
+
+
+async def test_workers_learn_each_others_placements(clean_redis: RedisProcess) -> None:
+    redis = Redis.from_url(clean_redis.url)
+    pools = [chat_pool("a", "b", "c"), chat_pool("a", "b", "c")]  # two workers
+    shares = [PrefixShare(redis, Router([spec(n) for n in "abc"]).by_key) for _ in pools]
+    for pool, share in zip(pools, shares, strict=True):
+        pool.on_placed = share.placed
+        share._pool_of = {pool.key: pool}.get  # each its own worker's pools
+    following = [asyncio.create_task(share.run()) for share in shares]
+    try:
+        await asyncio.sleep(0.1)  # both follow the stream from here
+        prompt = prompt_of(turns("Shared across the fleet. " * 30, "q"))
+        assert prompt is not None
+        placed = pools[0].pick(prompt=prompt)
+        other = pools[1]
+        for _ in range(100):
+            if other.index and other.index.matched(placed.name, prompt):
+                break
+            await asyncio.sleep(0.02)
+        assert other.index is not None
+        assert other.index.matched(placed.name, prompt) == len(prompt.blocks)
+        # The second worker now sends that prompt's kind where the first put it.
+        twin = next(b for b in other.backends if b.name == placed.name)
+        assert other.preferred(prompt=prompt_of(turns("Shared across the fleet. " * 30,
+                                                      "another")))[0] is twin
+        # A worker skips its own entries: nothing of the first worker's came back doubled.
+        assert pools[0].index is not None and pools[0].index.size(placed.name) == len(
+            prompt.blocks)
+    finally:
+        for task in following:
+            task.cancel()
+        await asyncio.gather(*following, return_exceptions=True)
+        for share in shares:
+            await share.close()
+        await redis.aclose()
 
 
 def test_engine_pick_avoids_a_full_queue_and_counts_what_it_sent() -> None:
@@ -150,9 +252,10 @@ def test_stale_or_missing_figures_fall_back_to_this_workers_counts() -> None:
 
 def test_other_families_and_p2c_pools_ignore_prefixes() -> None:
     pool = chat_pool("a", "b", pick="p2c")
-    key = prefix_key(turns("shared", "hi"), None)
+    prompt = prompt_of(turns("shared", "hi"))
     rng = random.Random(3)
-    assert {pool.pick(key=key, rng=rng).name for _ in range(40)} == {"a", "b"}
+    assert {pool.pick(prompt=prompt, rng=rng).name for _ in range(40)} == {"a", "b"}
+    assert pool.index is None
     tts = Router([BackendSpec(name="t", kind="tts", url="http://t", models=["acme/csm-1b"])],
                  routing=RoutingSection(pick="prefix")).pool("tts", "acme/csm-1b")
     assert tts.pick_kind == "p2c"
@@ -225,23 +328,3 @@ def test_a_rarely_picked_replica_measures_its_time_per_request_not_its_idle_gaps
         backend.take_signals(EngineSignals(waiting=0, running=running, kv=0.0, at=at,
                                            done=done))
     assert backend.service_s == pytest.approx(0.5, rel=0.05)
-
-
-def test_a_replica_measured_three_times_slower_owns_a_third_as_many_prefixes() -> None:
-    """Ownership by capacity: weight over speed class (how many times slower than the fastest,
-    rounded), the same in every worker once each has measured the speeds; in an idle pool every
-    key goes to its owner."""
-    pool = chat_pool("a", "b", "slow")
-    a, b, slow = pool.backends
-    keys = [prefix_key(turns(f"system prompt {i}", "hi"), None) for i in range(700)]
-    before = {k: pool.pick(key=k).name for k in keys}
-    assert min(Counter(before.values()).values()) > 180  # unmeasured: a third each
-    for backend, service in ((a, 0.5), (b, 0.55), (slow, 1.6)):  # classes 1, 1, 3
-        backend.service_s = service
-    after = {k: pool.pick(key=k).name for k in keys}
-    owners = Counter(after.values())
-    assert 70 <= owners["slow"] <= 130, owners  # about 1/7 of 700
-    # Only the slow replica's keys moved: the fast replicas' caches keep what they had.
-    assert all(after[k] == before[k] for k in keys if before[k] != "slow")
-    slow.service_s = 1.6 * 1.07  # a change within its class moves nothing
-    assert {k: pool.pick(key=k).name for k in keys} == after

@@ -1,0 +1,160 @@
+"""Which replica holds how much of a prompt in its prefix cache, as the gateway can tell: block
+by block, from what it sent each replica. No I/O.
+
+    blocks   a chat request's messages (and tools), rendered canonically, cut into blocks of
+             `BLOCK_CHARS`, each named by a hash chained over every block before it (as vLLM
+             names its KV blocks), so two prompts share their leading names exactly as far as
+             they begin alike: every conversation that shares a system prompt finds its blocks,
+             and every later turn of one conversation finds the earlier turns'
+    index    per replica, the block names sent to it, least recently sent first, forgotten
+             beyond what its KV cache can hold (in tokens, at the bytes per token its usage
+             shows), each prompt from its end (its own `vllm:cache_config_info`, else
+             `[routing] cache_tokens`); a prompt's match on a replica is its leading blocks found
+             there
+    session  an `X-Session-Id` seeds the chain: that conversation's turns follow one another
+             whatever their messages, and share no blocks with other conversations
+
+Only the hashes (8 bytes each) are kept; nothing keeps the prompt's text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+BLOCK_CHARS = 128  # bytes of the canonical rendering per block (about 32 tokens)
+MAX_BLOCKS = 512  # a prompt's first 64 KiB are matched; beyond, replicas tie anyway
+# Bytes of the rendering per engine token, until the engines' usage tells (`learn`): what
+# turns a KV cache's size into blocks, and unmatched bytes into tokens to prefill.
+CHARS_PER_TOKEN = 4.0
+HASH_BYTES = 8
+SESSION_HEADER = "X-Session-Id"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt as the index sees it."""
+
+    blocks: tuple[bytes, ...]  # chained hashes of its full blocks, first first
+    chars: int  # the length of its canonical rendering
+
+
+def prompt_of(body: Mapping[str, Any], session: str | None = None) -> Prompt | None:
+    """The blocks of an OpenAI-shaped chat body (None when it has no messages list)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    tools = body.get("tools")
+    parts = [orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)] if tools else []
+    # Message by message, so a conversation's rendering only grows at its end.
+    parts += [orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages]
+    text = b"\x1e".join(parts)
+    chain = hashlib.blake2b(digest_size=HASH_BYTES)
+    if session:
+        chain.update(b"session\0" + session.encode("utf-8", "replace") + b"\0")
+    full = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
+    blocks = []
+    for start in range(0, full * BLOCK_CHARS, BLOCK_CHARS):
+        chain.update(text[start:start + BLOCK_CHARS])
+        blocks.append(chain.copy().digest())
+    return Prompt(tuple(blocks), len(text))
+
+
+class PrefixIndex:
+    """One pool's picture of its replicas' prefix caches (one per worker; other workers'
+    placements arrive through `add` too: proxy.upstream.prefix_share)."""
+
+    __slots__ = ("_held", "_room", "chars_per_token", "default_tokens")
+
+    def __init__(self, cache_tokens: int) -> None:
+        self.default_tokens = cache_tokens
+        self.chars_per_token = CHARS_PER_TOKEN
+        self._held: dict[str, OrderedDict[bytes, float]] = {}  # block -> when last sent
+        self._room: dict[str, int] = {}
+
+    def learn(self, chars: int, tokens: int) -> None:
+        """An engine counted `tokens` prompt tokens for a prompt of `chars` bytes (its usage):
+        the bytes-per-token ratio follows its tokenizer (smoothed)."""
+        if chars > 0 and tokens > 0:
+            ratio = min(16.0, max(1.0, chars / tokens))
+            self.chars_per_token += 0.1 * (ratio - self.chars_per_token)
+
+    def resize(self, replica: str, cache_tokens: int | None) -> None:
+        """The replica's KV cache, in tokens, as its engine reports it (None: not known)."""
+        room = max(1, int((cache_tokens or self.default_tokens) * self.chars_per_token)
+                   // BLOCK_CHARS)
+        if self._room.get(replica) != room:
+            self._room[replica] = room
+            self._trim(replica)
+
+    def tokens(self, prompt: Prompt) -> float:
+        """The prompt's length in the engines' tokens (estimated)."""
+        return prompt.chars / self.chars_per_token
+
+    def uncached_tokens(self, replica: str, prompt: Prompt) -> float:
+        """Tokens of `prompt` the replica would have to prefill: past its matched blocks."""
+        held = self.matched(replica, prompt) * BLOCK_CHARS
+        return max(0, prompt.chars - held) / self.chars_per_token
+
+    def matched(self, replica: str, prompt: Prompt) -> int:
+        """How many leading blocks of `prompt` the replica was last seen to hold."""
+        held = self._held.get(replica)
+        if held is None:
+            return 0
+        count = 0
+        for block in prompt.blocks:
+            if block not in held:
+                break
+            count += 1
+        return count
+
+    def add(self, replica: str, blocks: Sequence[bytes], at: float) -> None:
+        """The replica was sent these blocks at `at` (monotonic seconds): it holds them now,
+        most recently used; the first the most recent of all, so a prompt is forgotten from
+        its end, as vLLM evicts (a chain that lost its first block would match nothing)."""
+        held = self._held.setdefault(replica, OrderedDict())
+        for block in reversed(blocks):
+            held[block] = at
+            held.move_to_end(block)
+        self._trim(replica)
+
+    def idle_s(self, replica: str, now: float) -> float:
+        """How long ago the block the replica would evict next was last sent (infinite while
+        its cache has room): what new blocks there would cost the blocks already there."""
+        held = self._held.get(replica)
+        room = self._room.get(replica)
+        if not held or room is None or len(held) < room:
+            return math.inf
+        return now - next(iter(held.values()))
+
+    def size(self, replica: str) -> int:
+        return len(self._held.get(replica, ()))
+
+    def view(self) -> dict[str, object]:
+        """What it holds, for /admin/backends: per replica, blocks known and room for them."""
+        return {"bytes_per_token": round(self.chars_per_token, 2), "block_bytes": BLOCK_CHARS,
+                "replicas": {name: {"blocks": len(held), "room": self._room.get(name)}
+                             for name, held in self._held.items()}}
+
+    def _trim(self, replica: str) -> None:
+        held = self._held.get(replica)
+        if held is None:
+            return
+        room = self._room.get(replica)
+        while room is not None and len(held) > room:
+            held.popitem(last=False)
+
+
+def pack(blocks: Sequence[bytes]) -> bytes:
+    """Block names as one string (for sharing placements)."""
+    return b"".join(blocks)
+
+
+def unpack(raw: bytes) -> list[bytes]:
+    return [raw[i:i + HASH_BYTES] for i in range(0, len(raw) - HASH_BYTES + 1, HASH_BYTES)]

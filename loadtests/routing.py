@@ -778,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "completed) are deltas over the counted window; in flight = running + waiting, sampled "
         f"every {SAMPLE_S:g} s" + (f"; {args.runs} runs, each config once per run in this "
                                    "order" if args.runs > 1 else ""),
-        "`prefix` matches each prompt's leading 128-byte blocks against what the gateway "
+        "`prefix` matches each prompt's leading 256-byte blocks against what the gateway "
         "sent each replica (shared by its workers), and orders replicas by expected time to "
         "first token: the wait for a slot plus prefilling the unmatched part at the replica's "
         "measured speed"

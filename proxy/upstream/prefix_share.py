@@ -103,7 +103,7 @@ class PrefixShare:
         for pool_key, backend, chars, blocks in placements:
             pool = self._pool_of(pool_key)
             if pool is not None and pool.index is not None:
-                pool.hold(backend, Prompt(tuple(unpack(blocks)), chars))
+                pool.hold(backend, Prompt(unpack(blocks), chars))
 
     async def close(self) -> None:
         if self._writing is not None:

@@ -2,10 +2,12 @@
 by block, from what it sent each replica. No I/O.
 
     blocks   a chat request's messages (and tools), rendered canonically, cut into blocks of
-             `BLOCK_CHARS`, each named by a hash chained over every block before it (as vLLM
-             names its KV blocks), so two prompts share their leading names exactly as far as
-             they begin alike: every conversation that shares a system prompt finds its blocks,
-             and every later turn of one conversation finds the earlier turns'
+             `BLOCK_CHARS`, each named by a 64-bit checksum of the whole rendering up to its
+             end (CRC-32 and Adler-32, carried from block to block: a chain, as vLLM names its
+             KV blocks, at a tenth of a cryptographic hash's cost; a rare collision costs a
+             placement, nothing else), so two prompts share their leading names exactly as far
+             as they begin alike: every conversation that shares a system prompt finds its
+             blocks, and every later turn of one conversation finds the earlier turns'
     index    per replica, the block names sent to it, least recently sent first, forgotten
              beyond what its KV cache can hold (in tokens, at the bytes per token its usage
              shows), each prompt from its end (its own `vllm:cache_config_info`, else
@@ -14,13 +16,14 @@ by block, from what it sent each replica. No I/O.
     session  an `X-Session-Id` seeds the chain: that conversation's turns follow one another
              whatever their messages, and share no blocks with other conversations
 
-Only the hashes (8 bytes each) are kept; nothing keeps the prompt's text.
+Only the checksums (8 bytes each) are kept; nothing keeps the prompt's text.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
+import zlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,12 +31,11 @@ from typing import Any
 
 import orjson
 
-BLOCK_CHARS = 128  # bytes of the canonical rendering per block (about 32 tokens)
-MAX_BLOCKS = 512  # a prompt's first 64 KiB are matched; beyond, replicas tie anyway
+BLOCK_CHARS = 256  # bytes of the canonical rendering per block (about 64 tokens)
+MAX_BLOCKS = 512  # a prompt's first 128 KiB are matched; beyond, replicas tie anyway
 # Bytes of the rendering per engine token, until the engines' usage tells (`learn`): what
 # turns a KV cache's size into blocks, and unmatched bytes into tokens to prefill.
 CHARS_PER_TOKEN = 4.0
-HASH_BYTES = 8
 SESSION_HEADER = "X-Session-Id"
 
 
@@ -41,7 +43,7 @@ SESSION_HEADER = "X-Session-Id"
 class Prompt:
     """A request's prompt as the index sees it."""
 
-    blocks: tuple[bytes, ...]  # chained hashes of its full blocks, first first
+    blocks: tuple[int, ...]  # chained checksums of its full blocks, first first
     chars: int  # the length of its canonical rendering
 
 
@@ -51,18 +53,23 @@ def prompt_of(body: Mapping[str, Any], session: str | None = None) -> Prompt | N
     if not isinstance(messages, list) or not messages:
         return None
     tools = body.get("tools")
-    parts = [orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)] if tools else []
-    # Message by message, so a conversation's rendering only grows at its end.
-    parts += [orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages]
-    text = b"\x1e".join(parts)
-    chain = hashlib.blake2b(digest_size=HASH_BYTES)
+    try:
+        parts = [orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)] if tools else []
+        # Message by message, so a conversation's rendering only grows at its end.
+        parts += [orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages]
+    except orjson.JSONEncodeError:  # e.g. an integer past 64 bits: nothing to match
+        return None
+    text = memoryview(b"\x1e".join(parts))
+    crc, adler = 0, 1
     if session:
-        chain.update(b"session\0" + session.encode("utf-8", "replace") + b"\0")
+        seed = b"session\0" + session.encode("utf-8", "replace") + b"\0"
+        crc, adler = zlib.crc32(seed), zlib.adler32(seed)
     full = min(len(text) // BLOCK_CHARS, MAX_BLOCKS)
     blocks = []
     for start in range(0, full * BLOCK_CHARS, BLOCK_CHARS):
-        chain.update(text[start:start + BLOCK_CHARS])
-        blocks.append(chain.copy().digest())
+        block = text[start:start + BLOCK_CHARS]
+        crc, adler = zlib.crc32(block, crc), zlib.adler32(block, adler)
+        blocks.append(crc << 32 | adler)
     return Prompt(tuple(blocks), len(text))
 
 
@@ -75,7 +82,7 @@ class PrefixIndex:
     def __init__(self, cache_tokens: int) -> None:
         self.default_tokens = cache_tokens
         self.chars_per_token = CHARS_PER_TOKEN
-        self._held: dict[str, OrderedDict[bytes, float]] = {}  # block -> when last sent
+        self._held: dict[str, OrderedDict[int, float]] = {}  # block -> when last sent
         self._room: dict[str, int] = {}
 
     def learn(self, chars: int, tokens: int) -> None:
@@ -114,7 +121,7 @@ class PrefixIndex:
             count += 1
         return count
 
-    def add(self, replica: str, blocks: Sequence[bytes], at: float) -> None:
+    def add(self, replica: str, blocks: Sequence[int], at: float) -> None:
         """The replica was sent these blocks at `at` (monotonic seconds): it holds them now,
         most recently used; the first the most recent of all, so a prompt is forgotten from
         its end, as vLLM evicts (a chain that lost its first block would match nothing)."""
@@ -151,10 +158,12 @@ class PrefixIndex:
             held.popitem(last=False)
 
 
-def pack(blocks: Sequence[bytes]) -> bytes:
+def pack(blocks: Sequence[int]) -> bytes:
     """Block names as one string (for sharing placements)."""
-    return b"".join(blocks)
+    return array("Q", blocks).tobytes()
 
 
-def unpack(raw: bytes) -> list[bytes]:
-    return [raw[i:i + HASH_BYTES] for i in range(0, len(raw) - HASH_BYTES + 1, HASH_BYTES)]
+def unpack(raw: bytes) -> tuple[int, ...]:
+    names = array("Q")
+    names.frombytes(raw[:len(raw) - len(raw) % names.itemsize])
+    return tuple(names)

@@ -83,9 +83,9 @@ from proxy.upstream.client import Upstreams
 from proxy.upstream.dispatch import Dispatcher
 from proxy.upstream.fetch import MediaFetcher, rules_from
 from proxy.upstream.fleet_state import fleet_key, signals_key
-from proxy.upstream.pool import Router
 from proxy.upstream.prefix_share import PrefixShare
 from proxy.upstream.prober import FleetSync, Prober, probe_session
+from proxy.upstream.router import Router
 from proxy.upstream.slots import SlotLedger
 
 log = logging.getLogger("proxy")

@@ -25,7 +25,7 @@ from proxy.styles.base import ChatStyle
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher
-from proxy.upstream.pool import Router
+from proxy.upstream.router import Router
 
 CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)

@@ -23,9 +23,10 @@ from proxy.errors import validation_failed
 from proxy.http.body import read_json
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher
-from proxy.upstream.pool import Pool, Router
+from proxy.upstream.pool import Pool
 from proxy.upstream.queue import Ticket
 from proxy.upstream.relay import send_whole
+from proxy.upstream.router import Router
 from proxy.validate import RequestInvalid
 
 

@@ -17,7 +17,8 @@ from proxy.families import generation
 from proxy.families.base import Answer, Ctx, Family, Job, parsed
 from proxy.upstream import http1
 from proxy.upstream.client import read_answer
-from proxy.upstream.pool import Backend, Pool, Router
+from proxy.upstream.pool import Backend, Pool
+from proxy.upstream.router import Router
 
 
 class Generation(Family):

@@ -77,6 +77,12 @@ class Exposition:
     def gauge(self, name: str, help_text: str, value: float) -> None:
         self.family(name, "gauge", help_text, [({}, value)])
 
+    def info(self, name: str, help_text: str, labels: Mapping[str, str]) -> None:
+        """A gauge of 1 whose labels are the information (vLLM's `*_config_info`): the
+        engine's label, no model's."""
+        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
+                       f"{name}{{{_labels({'engine': self.base['engine'], **labels})}}} 1.0"]
+
     def counter(self, name: str, help_text: str, value: float) -> None:
         self.family(name, "counter", help_text, [({}, value)])
 

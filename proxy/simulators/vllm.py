@@ -36,8 +36,8 @@ request by request. Differences kept on purpose:
 - A full queue always refuses before the response starts; vLLM sometimes admits a stream and
   then refuses it in-band (200, a 503 error event) when the queue filled in between.
 - /metrics serves the families a gateway reads, not all of vLLM's (no `_created` series, no
-  `http_*`, `process_*` or per-phase histograms; `cache_config_info` carries only the labels
-  a router reads: `block_size`, `num_gpu_blocks`, `enable_prefix_caching`).
+  `http_*`, `process_*` or per-phase histograms; `cache_config_info` has vLLM 0.32's labels,
+  its own block size and block count, the rest as the captured engine's).
 - `POST /tokenize` counts and names tokens by the simulator's rule (`textgen`): a `prompt`'s
   tokens, or `messages` framed as a chat request's prompt (its `count` is that request's
   `prompt_tokens`); ids are `textgen.token_id`'s stable fakes, `token_strs` is null.
@@ -240,10 +240,8 @@ async def metrics(request: web.Request) -> web.Response:
     engine = state.engine
     out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               engine.kv_usage())
-    out.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-               [({"block_size": str(state.config.block_size),
-                  "enable_prefix_caching": "True",
-                  "num_gpu_blocks": str(state.config.kv_cache_blocks)}, 1.0)])
+    out.info("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+             cache_config(state.config.block_size, state.config.kv_cache_blocks))
     out.counter("vllm:prefix_cache_queries_total",
                 "Prefix cache queries, in terms of number of queried tokens.", engine.queries)
     out.counter("vllm:prefix_cache_hits_total",
@@ -270,6 +268,30 @@ async def metrics(request: web.Request) -> web.Response:
     out.histogram("vllm:e2e_request_latency_seconds",
                   "Histogram of e2e request latency in seconds.", state.latency.e2e)
     return web.Response(text=out.text(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def cache_config(block_size: int, blocks: int) -> dict[str, str]:
+    """`vllm:cache_config_info`'s labels as vLLM 0.32 writes them (shared/real-engines), with
+    this simulator's cache: what a router reads is `num_gpu_blocks` x `block_size`."""
+    return {
+        "_block_size_resolved": "True", "block_size": str(block_size), "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None", "effective_attention_block_size": str(block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.92", "hash_block_size": "None",
+        "is_attention_free": "False", "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None", "kv_cache_max_concurrency": "1024.0",
+        "kv_cache_memory_bytes": "1073741824", "kv_cache_size_tokens": str(block_size * blocks),
+        "kv_offloading_backend": "native", "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False", "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto", "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "float32",
+        "num_cpu_blocks": "None", "num_gpu_blocks": str(blocks),
+        "num_gpu_blocks_override": "None", "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256", "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16", "skip_page_size_padded": "None", "sliding_window": "None",
+        "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+        "user_specified_block_size": "False",
+    }
 
 
 def _bad_request(message: str, status: int = 400, kind: str = "BadRequestError"

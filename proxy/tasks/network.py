@@ -31,9 +31,10 @@ from proxy.families.base import Answer, Ctx, Family, Job
 from proxy.families.chat import fetch_completion
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.tasks.store import TaskStore
-from proxy.upstream.pool import Pool, Router
+from proxy.upstream.pool import Pool
 from proxy.upstream.quorum import Verdict, fingerprint, task_address
 from proxy.upstream.redundant import run_redundant
+from proxy.upstream.router import Router
 
 log = logging.getLogger("proxy.tasks")
 T = TypeVar("T")

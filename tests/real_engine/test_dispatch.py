@@ -47,7 +47,7 @@ async def test_max_runs_before_a_waiting_basic_burst_and_the_engines_never_queue
         async with aiohttp.ClientSession() as session, session.post(
                 gw.make_url(SERVED_CHAT), headers={"Authorization": f"Bearer {keys[tier]}"},
                 json={"model": SERVED, "messages": [{"role": "user", "content": name}],
-                      "stream": True, "max_tokens": 900, "ignore_eos": True}) as response:
+                      "stream": True, "max_tokens": 500, "ignore_eos": True}) as response:
             async for line in response.content:
                 if b'"content":"' in line and name not in first_token:
                     first_token[name] = time.monotonic()
@@ -66,7 +66,7 @@ async def test_max_runs_before_a_waiting_basic_burst_and_the_engines_never_queue
 
     watcher = asyncio.create_task(watch())
     burst = [asyncio.create_task(ask("basic", f"basic {i}")) for i in range(3 * BATCH)]
-    await asyncio.sleep(1.0)  # eight run, four wait in the gateway
+    await asyncio.sleep(0.5)  # eight run, four wait in the gateway
     top = asyncio.create_task(ask("max", "max"))
     statuses = await asyncio.gather(*burst, top)
     done.set()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from proxy.config import ConfigError, load_config
-from proxy.upstream.pool import Router, health_path
+from proxy.upstream.pool import health_path
+from proxy.upstream.router import Router
 
 ROOT = Path(__file__).resolve().parents[2]
 

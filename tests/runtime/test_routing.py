@@ -96,7 +96,7 @@ async def test_a_replica_whose_queue_is_full_gets_nothing_until_it_drains(
             queued = [asyncio.create_task(direct.post(
                 sims[replica].make_url("/v1/chat/completions"), json=body("x", "y")))
                 for _ in range(4)]
-            await asyncio.sleep(1.5)  # the master reads it; both workers follow
+            await asyncio.sleep(1.0)  # the master reads it; both workers follow
             return hung, queued
 
         async def drain(hung: aiohttp.ClientResponse, queued: list[Any]) -> None:

@@ -16,9 +16,10 @@ from proxy.config import BackendSpec, HealthSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.upstream.fleet_state import FleetRecord
 from proxy.upstream.health import Probe
-from proxy.upstream.pool import Backend, Pool, Router
+from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.quorum import FAILED, Verdict, decide, fingerprint, task_address
 from proxy.upstream.redundant import run_redundant
+from proxy.upstream.router import Router
 from tests.support.upstreams import SimulatorFactory
 
 BIG = "acme/gpt-oss-120b"

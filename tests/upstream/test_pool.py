@@ -12,7 +12,8 @@ from proxy.config import BackendSpec, HealthSection
 from proxy.errors import GatewayError
 from proxy.upstream.fleet_state import FleetRecord
 from proxy.upstream.health import Probe
-from proxy.upstream.pool import Backend, Router
+from proxy.upstream.pool import Backend
+from proxy.upstream.router import Router
 
 MODEL = "acme/small-chat"
 

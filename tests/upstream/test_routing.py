@@ -15,9 +15,10 @@ from redis.asyncio import Redis
 from proxy.config import BackendSpec, RoutingSection, TierPolicy
 from proxy.errors import ErrorKind, GatewayError
 from proxy.policy.tiers import check_queue_budget
-from proxy.upstream.pool import Backend, Pool, Router
+from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefix_share import PrefixShare
 from proxy.upstream.prefixes import BLOCK_CHARS, Prompt, pack, prompt_of, unpack
+from proxy.upstream.router import Router
 from proxy.upstream.signals import EngineSignals, parse_signals
 from tests.support.redis_servers import RedisProcess
 

@@ -108,6 +108,7 @@ class Engines:
             "--completion-tokens", str(self.completion_tokens),
             "--kv-cache-blocks", str(self.kv_cache_blocks),
             "--block-size", str(self.block_size), "--speed", f"{speed:g}",
+            "--enable-prompt-tokens-details",  # what it found cached, in each answer's usage
         ]
 
     def capacity(self, speed: float, uncached_tokens: float) -> float:

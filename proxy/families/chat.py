@@ -124,7 +124,10 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
         return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap,
                                   engine_priority(ctx, backend))
 
+    served: list[Backend] = []
+
     async def relay(backend: Backend, upstream: http1.Response) -> web.StreamResponse:
+        served.append(backend)
         if call.stream:
             chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
             return await relay_stream(request, upstream, chunks, style.encoder(call, task_id),
@@ -139,10 +142,15 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
     prompt = early.prompt if early is not None else affinity(pool, call, ctx.client_headers)
     response = await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
                                         ctx.client_headers, relay, prompt, ctx.ticket, early)
-    if prompt is not None and pool.index is not None:  # the engine's count of the prompt
-        usage = usage_from(result.tally.usage if result.tally else result.usage)
+    if prompt is not None and pool.index is not None and served:
+        # The engine's count of the prompt, and (vLLM with --enable-prompt-tokens-details)
+        # what it found cached: the index's picture follows both.
+        reported = result.tally.usage if result.tally else result.usage
+        usage = usage_from(reported)
         if usage is not None:
             pool.index.learn(prompt.chars, usage.prompt_tokens)
+            if isinstance(reported, dict) and "prompt_tokens_details" in reported:
+                pool.index.confirm(served[-1].name, prompt, usage.cached_tokens)
     return response
 
 

@@ -312,6 +312,7 @@ class Pool:
         held there."""
         backend.sent.append(time.time())
         if self.index is not None and prompt is not None:
+            self.index.expect(backend.name, prompt)
             self.hold(backend.name, prompt)
             if self.on_placed is not None:
                 self.on_placed(self, backend, prompt)

@@ -37,6 +37,8 @@ MAX_BLOCKS = 512  # a prompt's first 128 KiB are matched; beyond, replicas tie a
 # turns a KV cache's size into blocks, and unmatched bytes into tokens to prefill.
 CHARS_PER_TOKEN = 4.0
 SESSION_HEADER = "X-Session-Id"
+EXPECTED_KEPT = 4096  # placements awaiting the engine's word on them
+FIT_MIN, FIT_MAX = 0.5, 1.5  # how far the engines' word may move a replica's room
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +79,18 @@ class PrefixIndex:
     """One pool's picture of its replicas' prefix caches (one per worker; other workers'
     placements arrive through `add` too: proxy.upstream.prefix_share)."""
 
-    __slots__ = ("_held", "_room", "chars_per_token", "default_tokens")
+    __slots__ = ("_expected", "_fit", "_held", "_room", "chars_per_token", "default_tokens")
 
     def __init__(self, cache_tokens: int) -> None:
         self.default_tokens = cache_tokens
         self.chars_per_token = CHARS_PER_TOKEN
         self._held: dict[str, OrderedDict[int, float]] = {}  # block -> when last sent
         self._room: dict[str, int] = {}
+        # Per replica, how much of its KV cache holds prompts, learned from what it reports
+        # it found (`confirm`): running requests' own blocks take the rest.
+        self._fit: dict[str, float] = {}
+        # (replica, a placed prompt's last block) -> blocks the index expected it to find
+        self._expected: OrderedDict[tuple[str, int], int] = OrderedDict()
 
     def learn(self, chars: int, tokens: int) -> None:
         """An engine counted `tokens` prompt tokens for a prompt of `chars` bytes (its usage):
@@ -94,8 +101,8 @@ class PrefixIndex:
 
     def resize(self, replica: str, cache_tokens: int | None) -> None:
         """The replica's KV cache, in tokens, as its engine reports it (None: not known)."""
-        room = max(1, int((cache_tokens or self.default_tokens) * self.chars_per_token)
-                   // BLOCK_CHARS)
+        room = max(1, int((cache_tokens or self.default_tokens) * self.chars_per_token
+                          * self._fit.get(replica, 1.0)) // BLOCK_CHARS)
         if self._room.get(replica) != room:
             self._room[replica] = room
             self._trim(replica)
@@ -120,6 +127,31 @@ class PrefixIndex:
                 break
             count += 1
         return count
+
+    def expect(self, replica: str, prompt: Prompt) -> None:
+        """Before `prompt` is added for `replica`: remember what the index expects it to find,
+        for `confirm` to compare with what the engine reports."""
+        if prompt.blocks:
+            self._expected[(replica, prompt.blocks[-1])] = self.matched(replica, prompt)
+            if len(self._expected) > EXPECTED_KEPT:
+                self._expected.popitem(last=False)
+
+    def confirm(self, replica: str, prompt: Prompt, cached_tokens: int) -> None:
+        """The engine reports having found `cached_tokens` of `prompt` in its cache: where the
+        index expected more, the engine had already evicted them and holds less than the
+        index thinks (its room shrinks a little); where less, it holds more (it grows)."""
+        if not prompt.blocks:
+            return
+        expected = self._expected.pop((replica, prompt.blocks[-1]), None)
+        if expected is None:
+            return
+        found = cached_tokens * self.chars_per_token / BLOCK_CHARS
+        fit = self._fit.get(replica, 1.0)
+        if expected > found + 1:
+            fit *= 0.98
+        elif expected < found - 1:
+            fit *= 1.02
+        self._fit[replica] = min(FIT_MAX, max(FIT_MIN, fit))
 
     def add(self, replica: str, blocks: Sequence[int], at: float) -> None:
         """The replica was sent these blocks at `at` (monotonic seconds): it holds them now,
@@ -146,7 +178,8 @@ class PrefixIndex:
     def view(self) -> dict[str, object]:
         """What it holds, for /admin/backends: per replica, blocks known and room for them."""
         return {"bytes_per_token": round(self.chars_per_token, 2), "block_bytes": BLOCK_CHARS,
-                "replicas": {name: {"blocks": len(held), "room": self._room.get(name)}
+                "replicas": {name: {"blocks": len(held), "room": self._room.get(name),
+                                    "fit": round(self._fit.get(name, 1.0), 3)}
                              for name, held in self._held.items()}}
 
     def _trim(self, replica: str) -> None:

@@ -15,12 +15,12 @@ from redis.asyncio import Redis
 from proxy.config import BackendSpec, RoutingSection, TierPolicy
 from proxy.errors import ErrorKind, GatewayError
 from proxy.policy.tiers import check_queue_budget
+from proxy.store.redis_process import RedisProcess
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefix_share import PrefixShare
 from proxy.upstream.prefixes import BLOCK_CHARS, Prompt, pack, prompt_of, unpack
 from proxy.upstream.router import Router
 from proxy.upstream.signals import EngineSignals, parse_signals
-from tests.support.redis_servers import RedisProcess
 
 MODEL = "acme/small-chat"
 # As vLLM 0.32 writes it (shared/real-engines/vllm-metrics.txt; most labels left out).
@@ -165,6 +165,38 @@ def test_the_index_forgets_what_the_engines_cache_cannot_hold() -> None:
     assert recent is not None
     index.add("a", recent.blocks, 0.0)
     assert index.matched("a", recent) == len(recent.blocks)
+
+
+def test_what_the_engine_reports_it_found_resizes_the_index() -> None:
+    """vLLM with --enable-prompt-tokens-details says how much of each prompt it found cached:
+    less than the index expected shrinks that replica's room (the engine holds less than the
+    index thinks: running requests' blocks take part of its cache), more grows it, within
+    bounds; placements it never confirms change nothing."""
+    pool = chat_pool("a", "b", cache_tokens=100_000)
+    index = pool.index
+    assert index is not None
+    a, _ = pool.backends
+
+    def seen(name: str) -> dict[str, Any]:  # as /admin/backends shows it
+        replicas: dict[str, dict[str, Any]] = index.view()["replicas"]  # type: ignore[assignment]
+        return replicas[name]
+
+    prompt = prompt_of(turns("A long shared instruction. " * 200, "q"))
+    assert prompt is not None and len(prompt.blocks) > 10
+    pool.placed(a, prompt)  # the index expected nothing: it is new ...
+    index.confirm("a", prompt, cached_tokens=0)  # ... and the engine found nothing
+    assert seen("a")["fit"] == 1.0
+    pool.placed(a, prompt)  # now the index expects every block
+    index.confirm("a", prompt, cached_tokens=0)  # but the engine had evicted them
+    assert seen("a")["fit"] < 1.0
+    index.resize("a", None)
+    assert seen("a")["room"] < 100_000 * 4 // BLOCK_CHARS
+    for _ in range(200):  # it keeps finding more than the index expected: bounded growth
+        index.expect("a", prompt)
+        index.confirm("a", prompt, cached_tokens=10**6)
+    assert seen("a")["fit"] == 1.5
+    index.confirm("b", prompt, cached_tokens=0)  # never placed there: nothing to compare
+    assert "b" not in index.view()["replicas"]  # type: ignore[operator]
 
 
 async def test_workers_learn_each_others_placements(clean_redis: RedisProcess) -> None:

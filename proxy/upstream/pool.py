@@ -37,7 +37,7 @@ from proxy.upstream.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 from proxy.upstream.http1 import Target
 from proxy.upstream.prefixes import PrefixIndex, Prompt
-from proxy.upstream.routing import PickKind, PromptView, Weights, by_first_token
+from proxy.upstream.routing import PickKind, PromptView, Weights, by_first_token, slowness
 from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
 
@@ -73,8 +73,7 @@ class Backend:
     __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "cache_tokens",
                  "completion_rate", "forward", "health", "max_ejected_ratio", "max_model_len",
                  "name", "outstanding", "peers", "prefill_until", "probed", "record", "sent",
-                 "service_s",
-                 "signals", "spec", "supervised", "wake")
+                 "service_s", "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -312,23 +311,25 @@ class Pool:
         held there."""
         backend.sent.append(time.time())
         if self.index is not None and prompt is not None:
-            self.index.expect(backend.name, prompt)
-            self.hold(backend.name, prompt)
+            matched = self.index.matched(backend.name, prompt)
+            self.index.expect(backend.name, prompt, matched)
+            self.hold(backend.name, prompt, matched)
             if self.on_placed is not None:
                 self.on_placed(self, backend, prompt)
 
-    def hold(self, name: str, prompt: Prompt) -> None:
-        """The replica `name` was sent `prompt` (by this worker or another): it prefills what
-        it lacked, after what it was sent before, and holds the prompt's blocks from now."""
+    def hold(self, name: str, prompt: Prompt, matched: int | None = None) -> None:
+        """The replica `name` was sent `prompt` (by this worker or another; `matched`: the
+        blocks of it the index already had there, if known): it prefills what it lacked, after
+        what it was sent before, and holds the prompt's blocks from now."""
         assert self.index is not None
+        if matched is None:
+            matched = self.index.matched(name, prompt)
         now = time.monotonic()
         backend = self._named.get(name)
         if backend is not None:
-            known = [b.service_s for b in self.backends if b.service_s]
-            slowness = (backend.service_s / min(known)
-                        if backend.service_s and len(known) == len(self.backends) else 1.0)
-            work = self.index.uncached_tokens(name, prompt) * self.prefill_s_per_token
-            backend.prefill_until = max(backend.prefill_until, now) + work * slowness
+            work = (self.index.tokens_past(prompt, matched) * self.prefill_s_per_token
+                    * slowness(backend.service_s, [b.service_s for b in self.backends]))
+            backend.prefill_until = max(backend.prefill_until, now) + work
         self.index.add(name, prompt.blocks, now)
 
     def saturation(self, now: float) -> Saturation | None:

@@ -113,8 +113,11 @@ class PrefixIndex:
 
     def uncached_tokens(self, replica: str, prompt: Prompt) -> float:
         """Tokens of `prompt` the replica would have to prefill: past its matched blocks."""
-        held = self.matched(replica, prompt) * BLOCK_CHARS
-        return max(0, prompt.chars - held) / self.chars_per_token
+        return self.tokens_past(prompt, self.matched(replica, prompt))
+
+    def tokens_past(self, prompt: Prompt, blocks: int) -> float:
+        """Tokens of `prompt` past its first `blocks` blocks."""
+        return max(0, prompt.chars - blocks * BLOCK_CHARS) / self.chars_per_token
 
     def matched(self, replica: str, prompt: Prompt) -> int:
         """How many leading blocks of `prompt` the replica was last seen to hold."""
@@ -128,11 +131,11 @@ class PrefixIndex:
             count += 1
         return count
 
-    def expect(self, replica: str, prompt: Prompt) -> None:
-        """Before `prompt` is added for `replica`: remember what the index expects it to find,
-        for `confirm` to compare with what the engine reports."""
+    def expect(self, replica: str, prompt: Prompt, matched: int) -> None:
+        """`prompt` goes to `replica`, where the index holds its first `matched` blocks:
+        remember it, for `confirm` to compare with what the engine reports finding."""
         if prompt.blocks:
-            self._expected[(replica, prompt.blocks[-1])] = self.matched(replica, prompt)
+            self._expected[(replica, prompt.blocks[-1])] = matched
             if len(self._expected) > EXPECTED_KEPT:
                 self._expected.popitem(last=False)
 

@@ -105,6 +105,14 @@ CACHE_USE = 2.0
 COLD_SHARE = 0.7  # a prompt of which no replica holds 30 % is placed as a new one
 
 
+def slowness(service: float | None, services: Sequence[float | None]) -> float:
+    """How many times slower than the fastest of `services` a replica with `service` seconds
+    per request is: 1 until every one is measured."""
+    if not service or not all(s is not None and s > 0 for s in services):
+        return 1.0
+    return service / min(s for s in services if s)
+
+
 @dataclass(frozen=True, slots=True)
 class PromptView:
     """What the pool knows of one prompt on each candidate replica (in candidate order)."""
@@ -149,7 +157,8 @@ def by_first_token(replicas: Sequence[Replica], view: PromptView, prefill_s_per_
             ahead, batch = engine.waiting, min(batch, max(1.0, engine.running))
         wait = held * ahead / batch + fastest * CONTENTION * load / slots
         prefill = uncached * prefill_s_per_token
-        costs[id(replica)] = wait + backlog + prefill * held / fastest + CACHE_USE * prefill
+        costs[id(replica)] = (wait + backlog + prefill * slowness(service, services)
+                              + CACHE_USE * prefill)
 
     def tie(replica: Replica) -> float:  # weighted random: twice the weight, first twice as often
         return -float(rng.random() ** (1 / replica.weight))

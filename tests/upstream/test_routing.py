@@ -192,7 +192,7 @@ def test_what_the_engine_reports_it_found_resizes_the_index() -> None:
     index.resize("a", None)
     assert seen("a")["room"] < 100_000 * 4 // BLOCK_CHARS
     for _ in range(200):  # it keeps finding more than the index expected: bounded growth
-        index.expect("a", prompt)
+        index.expect("a", prompt, len(prompt.blocks))
         index.confirm("a", prompt, cached_tokens=10**6)
     assert seen("a")["fit"] == 1.5
     index.confirm("b", prompt, cached_tokens=0)  # never placed there: nothing to compare

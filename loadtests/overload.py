@@ -1,10 +1,10 @@
 """Mixed overload benchmark (issue 31): the tier order and fairness at twice the pool's capacity.
 
-    python -m loadtests.overload [--seconds 40] [--json PATH]
+    python -m loadtests.overload [--seconds 40] [--mix paid|lower] [--headroom 0.2] [--json PATH]
 
 An uneven pool of two vLLM simulators (batches of 1 and 4, ~1 s a request: ~5 requests/s in
-all) behind a `serve` gateway with two workers, four tiers (shipped priorities and longest
-waits), open-loop Poisson arrivals, streamed, seeded. Three phases in one invocation, each on
+all) behind a `serve` gateway with two workers, the shipped tiers' priorities and longest
+waits, open-loop Poisson arrivals, streamed, seeded. Three phases in one invocation, each on
 fresh servers:
 
     half      half the capacity, the dispatcher on: each tier's baseline
@@ -12,15 +12,20 @@ fresh servers:
     before    twice the capacity, `dispatch = false` and the shipped default max_concurrency
               (64): the engines' own first-in first-out queues decide
 
-The mix at twice the capacity: Max 0.45 x capacity, Pro 0.45 x, Basic 1.1 x from two accounts
-offering 10:1 (so both are backlogged: the Basic tier's leftover is smaller than twice the
-light account's offer), guests none. Reported per phase and tier: requests served and shed,
-p99 time to first token of those served; completed tokens/s (from the first arrival until the
-last answer ended: a backlog drained after the arrivals stop counts its time); the engines'
-waiting queues (p99
-of a 100 ms sampling, from their own /metrics); and the two Basic accounts' served ratio.
-Targets (issue 31): Max p99 <= 1.5 x its half-load p99, Pro <= 3 x; tokens/s >= 0.95 x
-`before`; engines' waiting p99 <= 1; Basic heavy:light served within 1.2:1.
+The mixes at twice the capacity, Basic from two accounts offering 10:1 in both:
+
+    paid      Max 0.45 x capacity, Pro 0.45 x, Basic 1.1 x, guests none: the paying tiers
+              alone fill 90 % of the pool, so both Basic accounts stay backlogged
+    lower     Max 0.2 x, Pro 0.3 x, Basic 1.1 x, guests 0.4 x: the overload comes from the
+              lower tiers, the paying ones offer half the pool
+
+Reported per phase and tier: requests served and shed, p99 time to first token of those
+served; completed tokens/s (from the first arrival until the last answer ended: a backlog
+drained after the arrivals stop counts its time); the engines' waiting queues (p99 of a
+100 ms sampling, from their own /metrics); and the two Basic accounts' services while the
+other account waited. Targets (issue 31): Max p99 <= 1.5 x its half-load p99, Pro <= 3 x;
+tokens/s >= 0.95 x `before`; engines' waiting p99 <= 1; Basic accounts served within 1.2:1
+while both are backlogged.
 """
 
 from __future__ import annotations
@@ -43,9 +48,17 @@ MODEL = "acme/overload"
 TTFT_MS, TOKENS, TOKENS_PER_S = 200, 32, 40  # ~1 s a request
 BATCHES = (1, 4)
 CAPACITY = sum(BATCHES) / 1.0  # requests/s
+# The shipped tiers: name, priority, longest wait; `--headroom` is the guests' and Basic's.
 TIERS = (("guest", 0, 2), ("basic", 1, 5), ("pro", 2, 15), ("max", 3, 30))
-ACCOUNTS = {"max": ("max", 0.45), "pro": ("pro", 0.45), "heavy": ("basic", 1.0),
-            "light": ("basic", 0.1)}  # account -> (tier, share of capacity at 2x)
+# account -> (tier, share of capacity at 2x). "paid": the paying tiers alone fill 90 % of the
+# pool, so both Basic accounts stay backlogged; "lower": the overload comes from Basic and
+# guests, the paying tiers offer half the pool.
+MIXES = {
+    "paid": {"max": ("max", 0.45), "pro": ("pro", 0.45), "heavy": ("basic", 1.0),
+             "light": ("basic", 0.1)},
+    "lower": {"max": ("max", 0.2), "pro": ("pro", 0.3), "heavy": ("basic", 1.0),
+              "light": ("basic", 0.1), "guest": ("guest", 0.4)},
+}
 
 
 @dataclass
@@ -54,6 +67,8 @@ class Tally:
     shed: int = 0
     failed: int = 0
     tokens: int = 0
+    # (sent, its wait ended: its first token less the engine's own TTFT, or its 503; served)
+    waits: list[tuple[float, float, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,7 +87,8 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def write_config(folder: Path, port: int, sims: list[str], dispatch: bool) -> None:
+def write_config(folder: Path, port: int, sims: list[str], dispatch: bool,
+                 headroom: float) -> None:
     q = json.dumps
     text = (f'[gateway]\nhost = "127.0.0.1"\nport = {port}\n'
             f'data_dir = {q(str(folder / "data"))}\ndrain_timeout_s = 2\naccess_log = "off"\n\n'
@@ -87,7 +103,8 @@ def write_config(folder: Path, port: int, sims: list[str], dispatch: bool) -> No
     policies.mkdir(exist_ok=True)
     (policies / "tiers.toml").write_text("".join(
         f'[tiers.{name}]\nrequests_per_minute = 100000\nfamilies = ["chat"]\n'
-        f'models = {{ "*" = ["direct"] }}\npriority = {priority}\nmax_queue_wait_s = {wait}\n\n'
+        f'models = {{ "*" = ["direct"] }}\npriority = {priority}\nmax_queue_wait_s = {wait}\n'
+        f"headroom = {headroom if priority < 2 else 0}\n\n"
         for name, priority, wait in TIERS))
 
 
@@ -102,6 +119,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, key: str, due: fl
             if r.status == 503:
                 tally.shed += 1
                 await r.read()
+                tally.waits.append((due, time.perf_counter(), False))
                 return
             if r.status != 200:
                 tally.failed += 1
@@ -114,6 +132,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, key: str, due: fl
                     if not first:
                         first = time.perf_counter() - due
             tally.ttfts.append(first)
+            tally.waits.append((due, due + first - TTFT_MS / 1000, True))
     except (aiohttp.ClientError, TimeoutError):
         tally.failed += 1
 
@@ -132,13 +151,13 @@ async def sample_waiting(session: aiohttp.ClientSession, sims: list[str], phase:
 
 
 async def drive(phase: Phase, gateway: str, sims: list[str], keys: dict[str, str],
-                seconds: float, seed: int) -> None:
+                seconds: float, seed: int, mix: dict[str, tuple[str, float]]) -> None:
     url = f"{gateway}/v2/compat/v1/chat/completions"
     rng = random.Random(seed)
     start = time.perf_counter() + 0.5
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         jobs = []
-        for account, (_, share) in ACCOUNTS.items():
+        for account, (_, share) in mix.items():
             tally = phase.by_account[account] = Tally()
             rate = share * CAPACITY * phase.load / 2.0  # the shares are of the 2x mix
             at = start
@@ -153,7 +172,7 @@ async def drive(phase: Phase, gateway: str, sims: list[str], keys: dict[str, str
 
 
 def run_phase(name: str, load: float, dispatch: bool, seconds: float, seed: int,
-              root: Path) -> Phase:
+              root: Path, mix: dict[str, tuple[str, float]], headroom: float) -> Phase:
     phase = Phase(name, load)
     folder = root / name
     folder.mkdir(parents=True)
@@ -170,25 +189,25 @@ def run_phase(name: str, load: float, dispatch: bool, seconds: float, seed: int,
             sims.append(f"http://127.0.0.1:{port}")
             wait_ready(f"{sims[-1]}/health", server=servers[-1])
         gw_port = free_port()
-        write_config(folder, gw_port, sims, dispatch)
+        write_config(folder, gw_port, sims, dispatch, headroom)
         servers.append(Server("gateway", gateway_args(folder, gw_port, workers=2),
                               folder / "gateway.log", None))
         wait_ready(f"http://127.0.0.1:{gw_port}/readyz", server=servers[-1])
-        keys = account_keys(folder, {account: tier for account, (tier, _) in ACCOUNTS.items()},
+        keys = account_keys(folder, {account: tier for account, (tier, _) in mix.items()},
                             credits_each=1_000_000)
-        asyncio.run(drive(phase, f"http://127.0.0.1:{gw_port}", sims, keys, seconds, seed))
+        asyncio.run(drive(phase, f"http://127.0.0.1:{gw_port}", sims, keys, seconds, seed, mix))
     finally:
         for server in reversed(servers):
             server.stop()
     return phase
 
 
-def report(phases: list[Phase]) -> str:
+def report(phases: list[Phase], mix: dict[str, tuple[str, float]]) -> str:
     lines = ["| phase | load | tier (account) | served | shed | failed | TTFT p99 |",
              "|---|---|---|---|---|---|---|"]
     for phase in phases:
         for account, tally in phase.by_account.items():
-            lines.append(f"| {phase.name} | {phase.load:g}x | {ACCOUNTS[account][0]} ({account}) "
+            lines.append(f"| {phase.name} | {phase.load:g}x | {mix[account][0]} ({account}) "
                          f"| {len(tally.ttfts)} | {tally.shed} | {tally.failed} | "
                          f"{p99(tally.ttfts):.2f} s |")
     lines.append("")
@@ -211,20 +230,45 @@ def report(phases: list[Phase]) -> str:
     lines.append(f"Max p99 overload / half: {max_ratio:.2f} (target <= 1.5); Pro: "
                  f"{pro_ratio:.2f} (target <= 3); tokens/s overload / before: {tokens_ratio:.2f} "
                  "(target >= 0.95)")
+    lines.append(fairness(over))
     return "\n".join(lines)
+
+
+def fairness(phase: Phase) -> str:
+    """The two Basic accounts while both were backlogged: each Basic request that began
+    running while a request of the other account was waiting (sent, not yet running or
+    refused) counts for its account. Fair queuing serves them 1:1 then (or the light one
+    first: its turn is "now"); the target is heavy at most 1.2 x light."""
+    heavy, light = (phase.by_account[a] for a in ("heavy", "light"))
+
+    def while_other_waits(mine: Tally, other: Tally) -> int:
+        return sum(1 for _, began, served in mine.waits if served and any(
+            sent <= began < ended for sent, ended, _ in other.waits))
+
+    h, lt = while_other_waits(heavy, light), while_other_waits(light, heavy)
+    ratio = f"{h / lt:.2f}" if lt else "n/a"
+    return (f"Basic served while the other account waited: heavy {h}, light {lt} "
+            f"(heavy/light {ratio}, target <= 1.2); served in all "
+            f"{len(heavy.ttfts)}:{len(light.ttfts)}, light offered "
+            f"{len(light.ttfts) + light.shed + light.failed}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument("--mix", choices=sorted(MIXES), default="paid")
+    parser.add_argument("--headroom", type=float, default=0.0,
+                        help="the guests' and Basic's headroom (tiers.toml), 0 as shipped")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    mix = MIXES[args.mix]
     with tempfile.TemporaryDirectory(prefix="igw-overload-") as tmp:
-        phases = [run_phase(name, load, dispatch, args.seconds, args.seed, Path(tmp))
+        phases = [run_phase(name, load, dispatch, args.seconds, args.seed, Path(tmp), mix,
+                            args.headroom)
                   for name, load, dispatch in (("half", 0.5, True), ("overload", 2.0, True),
                                                ("before", 2.0, False))]
-    print(report(phases))
+    print(report(phases, mix))
     if args.json:
         args.json.write_text(json.dumps([asdict(p) for p in phases], indent=2))
     return 0

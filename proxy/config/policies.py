@@ -189,6 +189,10 @@ class TierPolicy(Section, frozen=True):
     # that long gets it then.
     priority: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
     max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
+    # The share of each pool's slots this tier's requests leave free for the tiers above it
+    # (rounded down: a pool of one slot keeps none), so that a request of a higher tier finds
+    # a slot at once rather than after the next one frees.
+    headroom: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.0
 
 
 _ALL_FAMILIES: list[Family] = ["chat", "tts", "asr", "image", "video"]

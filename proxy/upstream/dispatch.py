@@ -6,15 +6,17 @@ first-out queues stay short and the queue that decides who runs next is ours.
               once (vLLM `--max-num-seqs`, TGI `--max-concurrent-requests`, a speech or image
               server's concurrency), counted across every worker and gateway host in the
               rate-limit Redis (proxy.upstream.slots)
-    fast path a request whose pool has nobody waiting here takes a slot in one script call
-              (on the first of the pool's preferred backends with one free) and goes
-    waiting   otherwise it queues; each pool with waiters has a pump that tries for its next
-              waiter whenever a slot of this worker frees, and every `POLL_S` for slots freed
-              elsewhere. A request of a higher tier waiting in any gateway holds back a lower
-              tier's take, so the order holds across processes.
-    shedding  a tier whose expected wait (requests ahead of it, by how fast the pool's slots
-              free) passes its `max_queue_wait_s` is answered 503 pool_saturated at once, with
-              that wait as Retry-After; one that waits that long is answered the same
+    arriving  one script call (in parallel with admission's): a slot on the first of the
+              pool's preferred backends with one free, when nobody in any gateway waits ahead
+              of the request (a higher tier, or an earlier turn of its own tier: fair queuing
+              over accounts, proxy.upstream.queue.Turns); otherwise it waits, with its turn
+    waiting   each pool with waiters has a pump that asks for its next waiter's slot whenever
+              a slot of this worker frees, and every `POLL_S` for slots freed elsewhere; the
+              ledger grants it only when no waiter of any gateway comes before it
+    shedding  a request whose expected wait (the requests ahead of it in every gateway, by how
+              fast the pool's slots free) passes its tier's `max_queue_wait_s` is answered 503
+              pool_saturated at once, with that wait as Retry-After; one that waits that long
+              is answered the same
     leaving   a client that disconnects while queued leaves the queue (nothing was held
               upstream; its credit hold is released as for any request that never ran)
 
@@ -39,8 +41,8 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefixes import Prompt
-from proxy.upstream.queue import Drain, Ticket, TierQueue, Waiter
-from proxy.upstream.slots import BEAT_S, SlotLedger
+from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter
+from proxy.upstream.slots import BEAT_S, SlotLedger, Taken
 
 log = logging.getLogger("proxy.dispatch")
 
@@ -80,6 +82,7 @@ class Dispatcher:
         self.ledger = ledger
         self.metrics = metrics
         self._queues: dict[str, TierQueue] = {}
+        self._turns: dict[tuple[str, int], Turns] = {}  # while the ledger is unreachable
         self._drains: dict[str, Drain] = {}
         self._wakes: dict[str, asyncio.Event] = {}
         self._pumps: dict[str, asyncio.Task[None]] = {}
@@ -92,17 +95,14 @@ class Dispatcher:
         """A backend of `pool` with a slot held for this request (give it back with
         `release`); 503 when none can be had within the ticket's longest wait. Without a
         ticket (no tier: internal calls), no queue: the pick as before."""
-        queue = self._queues.get(pool.key)
         if ticket is None:
             return pool.pick(exclude=exclude, prompt=prompt)
-        ahead, counted = 0, False
-        if not queue:  # nobody waits here: try at once (counted as waiting if it must)
-            taken, ahead, counted = await self._take(pool, ticket, prompt, exclude, queue=True)
-            if taken is not None:
-                pool.placed(taken, prompt)
-                return taken
-        return await self._wait(pool, ticket, Want(prompt, exclude, time.monotonic()), ahead,
-                                counted)
+        waiter = Waiter(ticket, want=Want(prompt, exclude, time.monotonic()))
+        taken = await self._arrive(pool, waiter)
+        if taken is None:
+            taken = await self._wait(pool, waiter)
+        pool.placed(taken, prompt)
+        return taken
 
     def start(self, pool: Pool, ticket: Ticket | None, prompt: Prompt | None) -> Early | None:
         """Begin taking a slot now, for a request about to be admitted; None without a
@@ -179,51 +179,97 @@ class Dispatcher:
 
     # --- taking a slot -------------------------------------------------------------------
 
-    async def _take(self, pool: Pool, ticket: Ticket, prompt: Prompt | None,
-                    exclude: Backend | None, *, queue: bool = False
-                    ) -> tuple[Backend | None, int, bool]:
-        """A slot on the first preferred backend with one free; None when all are full (or a
-        higher tier waits), with how many wait ahead of the ticket in every gateway (0 where
-        unknown) and whether the ledger now counts it as waiting (`queue`). 503 when the pool
-        has no available backend at all."""
+    async def _arrive(self, pool: Pool, waiter: Waiter) -> Backend | None:
+        """A new request: a slot when one is free and nobody waits ahead of it; otherwise
+        None, with its turn in `waiter.tag` (and its place in the ledger's queue). 503 when
+        more wait ahead of it than its longest wait allows, or when the pool has no available
+        backend at all."""
+        want: Want = waiter.want
+        ticket = waiter.ticket
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
-            return pool.preferred(exclude=exclude, prompt=prompt)[0], 0, False
-        preferred = pool.preferred(exclude=exclude, prompt=prompt, capped=False)
+            return pool.preferred(exclude=want.exclude, prompt=want.prompt)[0]
+        preferred = pool.preferred(exclude=want.exclude, prompt=want.prompt, capped=False)
         if not self._started.is_set():  # this process's first: known alive before it takes
             self._started.set()
             with contextlib.suppress(RedisError):
                 await self.ledger.beat()
+        most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, _slots(pool))
         if self._shared:
+            waiter.member = self.ledger.member()
             call = asyncio.ensure_future(self.ledger.take(
-                pool.key, ticket.priority, ticket.higher,
-                [(b.name, b.spec.max_concurrency) for b in preferred], queue=queue))
+                pool.key, ticket.priority, ticket.higher, ticket.account, _offer(preferred),
+                member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
+                keep_free=_headroom(pool, ticket)))
             try:
-                name, ahead = await asyncio.shield(call)
-                taken = next((b for b in preferred if b.name == name), None)
-                return taken, ahead, queue and taken is None
+                got = await asyncio.shield(call)
             except RedisError:
                 self._shared = False
+                waiter.member = ""
             except asyncio.CancelledError:
                 # The script runs anyway (it was sent): undo what it did once it lands.
-                call.add_done_callback(
-                    lambda done: self._undo(done, pool, ticket, preferred, queue))
+                call.add_done_callback(lambda done: self._undo(done, pool, waiter, preferred))
                 raise
-        # The ledger is unreachable: this worker's own counts, its own queue.
-        local = next((b for b in preferred if b.outstanding < b.spec.max_concurrency), None)
-        return local, 0, False
+            else:
+                if got.tag is None:
+                    raise self._shed(pool, ticket, got.ahead, "expected")
+                waiter.tag = got.tag
+                return _named(preferred, got.backend)
+        # The ledger is unreachable: this worker's own counts, turns and queue.
+        turns = self._local_turns(pool, ticket)
+        waiter.tag = turns.tag(ticket.account)
+        queue = self._queues.get(pool.key)
+        ahead = queue.ahead(ticket.priority, waiter.tag) if queue else 0
+        if ahead == 0 and (local := _free(preferred, _headroom(pool, ticket))) is not None:
+            turns.served(ticket.account, waiter.tag)
+            return local
+        if ahead > most_ahead:
+            raise self._shed(pool, ticket, ahead, "expected")
+        turns.queued(ticket.account, waiter.tag)
+        return None
 
-    def _undo(self, done: asyncio.Future[tuple[str | None, int]], pool: Pool, ticket: Ticket,
-              preferred: list[Backend], queue: bool) -> None:
-        """A take whose requester was cancelled: give back the slot, or (`queue`) stop
-        counting it as waiting."""
+    async def _turn(self, pool: Pool, waiter: Waiter) -> Backend | None:
+        """A waiter's slot, when one is free and no waiter of any gateway comes before it."""
+        want: Want = waiter.want
+        ticket = waiter.ticket
+        preferred = pool.preferred(exclude=want.exclude, prompt=want.prompt, capped=False)
+        if self.ledger is not None and self._shared:
+            try:
+                got = await self.ledger.turn(pool.key, ticket.priority, ticket.higher,
+                                             ticket.account, _offer(preferred), waiter.member,
+                                             waiter.tag, _headroom(pool, ticket))
+                return _named(preferred, got.backend)
+            except RedisError:
+                self._shared = False
+        local = _free(preferred, _headroom(pool, ticket))  # this worker's head: first here
+        if local is not None:
+            self._local_turns(pool, ticket).served(ticket.account, waiter.tag)
+        return local
+
+    def _undo(self, done: asyncio.Future[Taken], pool: Pool, waiter: Waiter,
+              preferred: list[Backend]) -> None:
+        """A take whose requester was cancelled: give back the slot, or stop waiting."""
         if done.cancelled() or done.exception() is not None:
             return
-        name, _ = done.result()
-        taken = next((b for b in preferred if b.name == name), None)
+        got = done.result()
+        taken = _named(preferred, got.backend)
         if taken is not None:
             self.release(pool, taken, 0.0)
-        elif queue:
-            self._queued(pool, ticket, -1)
+        elif got.tag is not None:
+            waiter.tag = got.tag
+            self._left(pool, waiter)
+
+    def _left(self, pool: Pool, waiter: Waiter) -> None:
+        """`waiter` gave up: out of the ledger's queue (or this worker's turns)."""
+        ticket = waiter.ticket
+        if waiter.member and self.ledger is not None:
+            self._spawn(self._leave(pool.key, ticket, waiter.member, waiter.tag))
+        elif (turns := self._turns.get((pool.key, ticket.priority))) is not None:
+            turns.left(ticket.account, waiter.tag)
+
+    async def _leave(self, pool: str, ticket: Ticket, member: str, tag: int) -> None:
+        assert self.ledger is not None
+        with contextlib.suppress(RedisError):  # it is forgotten when its longest wait ends
+            await self.ledger.leave(pool, ticket.priority, ticket.account, member, tag)
 
     async def _give_back(self, backend: Backend) -> None:
         assert self.ledger is not None
@@ -232,28 +278,12 @@ class Dispatcher:
 
     # --- waiting ---------------------------------------------------------------------------
 
-    async def _wait(self, pool: Pool, ticket: Ticket, want: Want, ahead: int,
-                    counted: bool) -> Backend:
-        """Queue for a slot; `ahead`: waiters ahead of it in every gateway, as last counted;
-        `counted`: the ledger already counts it as waiting."""
+    async def _wait(self, pool: Pool, waiter: Waiter) -> Backend:
+        """Wait in this worker's queue for a slot, up to the ticket's longest wait."""
+        ticket = waiter.ticket
         queue = self._queues.setdefault(pool.key, TierQueue())
-        # Its place by the tier order and the accounts' turns, in this worker's queue; the
-        # other gateways' waiters (`ahead` counts every gateway's) in the same proportion.
-        local = queue.ahead(ticket.priority)
-        place = queue.place(ticket)
-        if ahead > local:
-            place = math.ceil(place * ahead / local) if local else ahead
-        expected = self._drain(pool).wait_s(place, _slots(pool))
-        if expected > ticket.max_wait_s:
-            if counted:
-                self._queued(pool, ticket, -1)
-            self.metrics.shed(pool.model, ticket.tier, "expected")
-            raise _saturated(pool, ticket, expected)
-        waiter = Waiter(ticket, want=want)
         queue.push(waiter)
         self.metrics.queued(pool.model, ticket.tier, 1)
-        if not counted:
-            self._queued(pool, ticket, 1)
         self._pump(pool)
         try:
             async with asyncio.timeout(ticket.max_wait_s):
@@ -265,16 +295,14 @@ class Dispatcher:
                 self.release(pool, waiter.granted.result(), 0.0)
             else:
                 waiter.granted.cancel()
+                self._left(pool, waiter)
             if isinstance(exc, TimeoutError):
-                self.metrics.shed(pool.model, ticket.tier, "waited")
-                raise _saturated(pool, ticket, self._drain(pool).wait_s(
-                    queue.ahead(ticket.priority), _slots(pool))) from None
+                raise self._shed(pool, ticket, queue.ahead(ticket.priority, waiter.tag),
+                                 "waited") from None
             raise
         finally:
             self.metrics.queued(pool.model, ticket.tier, -1)
-            self._queued(pool, ticket, -1)
-        self.metrics.waited(pool.model, ticket.tier, time.monotonic() - want.queued_at)
-        pool.placed(backend, want.prompt)
+        self.metrics.waited(pool.model, ticket.tier, time.monotonic() - waiter.want.queued_at)
         return backend
 
     def _pump(self, pool: Pool) -> None:
@@ -291,9 +319,8 @@ class Dispatcher:
             if head.granted.done():  # gave up meanwhile
                 queue.remove(head)
                 continue
-            want: Want = head.want
             try:
-                taken, _, _ = await self._take(pool, head.ticket, want.prompt, want.exclude)
+                taken = await self._turn(pool, head)
             except GatewayError as exc:  # no backend available at all: tell them all
                 while (gone := queue.pop()) is not None:
                     if not gone.granted.done():
@@ -310,15 +337,12 @@ class Dispatcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), POLL_S)
 
-    def _queued(self, pool: Pool, ticket: Ticket, delta: int) -> None:
-        """Tell the other gateways (a higher tier waiting holds back lower tiers' takes)."""
-        if self.ledger is not None and self._shared:
-            self._spawn(self._count_queued(pool.key, ticket.priority, delta))
+    def _shed(self, pool: Pool, ticket: Ticket, ahead: int, reason: str) -> GatewayError:
+        self.metrics.shed(pool.model, ticket.tier, reason)
+        return _saturated(pool, ticket, self._drain(pool).wait_s(ahead, _slots(pool)))
 
-    async def _count_queued(self, pool: str, priority: int, delta: int) -> None:
-        assert self.ledger is not None
-        with contextlib.suppress(RedisError):
-            await self.ledger.queued(pool, priority, delta)
+    def _local_turns(self, pool: Pool, ticket: Ticket) -> Turns:
+        return self._turns.setdefault((pool.key, ticket.priority), Turns())
 
     def _drain(self, pool: Pool) -> Drain:
         drain = self._drains.get(pool.key)
@@ -330,6 +354,31 @@ class Dispatcher:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _offer(preferred: list[Backend]) -> list[tuple[str, int]]:
+    return [(b.name, b.spec.max_concurrency) for b in preferred]
+
+
+def _named(preferred: list[Backend], name: str | None) -> Backend | None:
+    return next((b for b in preferred if b.name == name), None) if name else None
+
+
+def _free(preferred: list[Backend], keep_free: int) -> Backend | None:
+    """The first backend with a slot free by this worker's own counts, when more than
+    `keep_free` are."""
+    free = sum(max(0, b.spec.max_concurrency - b.outstanding) for b in preferred)
+    if free <= keep_free:
+        return None
+    return next((b for b in preferred if b.outstanding < b.spec.max_concurrency), None)
+
+
+def _headroom(pool: Pool, ticket: Ticket) -> int:
+    """Slots a request of `ticket` leaves free for the tiers above (never all of them)."""
+    if not ticket.headroom:
+        return 0
+    slots = _slots(pool)
+    return min(math.floor(ticket.headroom * slots), slots - 1)
 
 
 def _slots(pool: Pool) -> int:

@@ -1,9 +1,10 @@
 """Who runs next when a pool's slots are full: the gateway's own queue, one per pool. No I/O.
 
     order     strict by tier priority (a higher `priority` in tiers.toml always goes first);
-              within a tier, round robin over accounts (each account's requests in arrival
-              order), so one key's burst takes turns with the other accounts of its tier
-              rather than running ahead of them
+              within a tier, by turns (`Turns`, start-time fair queuing over accounts): each
+              request is tagged with its account's next turn, and the smallest tag runs next,
+              so one key's burst takes turns with the other accounts of its tier rather than
+              running ahead of them, and an account that sends rarely runs at its next turn
     leaving   a waiter that gives up (its client left, or its longest wait passed) leaves
               its place at once (`Waiter.leave`)
     waits     how long a place in the queue should take, from how fast the pool's slots free
@@ -13,12 +14,18 @@
 Strict rather than weighted: a paying tier buys latency, and under weights a Basic burst still
 adds to a Max request's wait; what keeps the lower tiers from waiting forever is each tier's
 longest wait (`max_queue_wait_s`), past which they are answered 503 with Retry-After.
+
+The turns are the fleet's: the slot ledger (proxy.upstream.slots) keeps the same tags in Redis
+for every worker of every gateway; `Turns` here is that arithmetic, and what a worker uses on
+its own while the ledger's Redis cannot be reached.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+import heapq
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +42,7 @@ class Ticket:
     account: str
     max_wait_s: float
     higher: tuple[int, ...] = ()  # the other tiers' priorities above this one
+    headroom: float = 0.0  # the share of a pool's slots it leaves free for those tiers
 
 
 def ticket_for(tier_name: str, tiers: Mapping[str, TierPolicy], account: str
@@ -44,16 +52,54 @@ def ticket_for(tier_name: str, tiers: Mapping[str, TierPolicy], account: str
     if tier is None:
         return None
     higher = tuple(sorted({t.priority for t in tiers.values() if t.priority > tier.priority}))
-    return Ticket(tier_name, tier.priority, account, tier.max_queue_wait_s, higher)
+    return Ticket(tier_name, tier.priority, account, tier.max_queue_wait_s, higher,
+                  tier.headroom if higher else 0.0)
+
+
+class Turns:
+    """Start-time fair queuing over one tier's accounts (one pool): a request's tag is its
+    account's next turn, `max(now, account's last tag + 1)`, where "now" is the tag of the
+    request that last got a slot. The smallest tag runs next. An account with a backlog has
+    tags far ahead; one that sends rarely gets "now" and runs at the next free slot of its
+    tier. The slot ledger's Lua does the same for the whole fleet."""
+
+    __slots__ = ("_next", "now")
+
+    def __init__(self) -> None:
+        self.now = 0
+        self._next: dict[str, int] = {}  # account -> its next turn, while ahead of `now`
+
+    def tag(self, account: str) -> int:
+        return max(self.now, self._next.get(account, 0))
+
+    def queued(self, account: str, tag: int) -> None:
+        self._next[account] = tag + 1
+
+    def left(self, account: str, tag: int) -> None:
+        """A waiter of `tag` gave up: its turn is the account's again if it was the last."""
+        if self._next.get(account) == tag + 1:
+            self._next[account] = tag
+
+    def served(self, account: str, tag: int) -> None:
+        self.now = max(self.now, tag)
+        self._next[account] = max(self._next.get(account, 0), tag + 1)
+        if len(self._next) > 64:  # accounts whose next turn is now or past are like new ones
+            self._next = {a: t for a, t in self._next.items() if t > self.now}
+
+
+_seq = itertools.count()
 
 
 @dataclass(eq=False, slots=True)
 class Waiter:
     ticket: Ticket
+    tag: int = 0  # its turn within its tier (smaller first)
     want: Any = None  # what its dispatcher needs to serve it
+    member: str = ""  # its name in the slot ledger's queue ('' when only this worker knows it)
     granted: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     queue: TierQueue | None = None
+    seq: int = field(default_factory=lambda: next(_seq))  # ties: arrival order
 
     def leave(self) -> None:
         """Out of the queue (a no-op once it was granted or had left)."""
@@ -61,114 +107,71 @@ class Waiter:
             self.queue.remove(self)
 
 
-class _Tier:
-    """One tier's waiters: per account, in arrival order; accounts take turns."""
-
-    __slots__ = ("accounts", "count")
-
-    def __init__(self) -> None:
-        self.accounts: OrderedDict[str, deque[Waiter]] = OrderedDict()
-        self.count = 0
-
-    def push(self, waiter: Waiter) -> None:
-        self.accounts.setdefault(waiter.ticket.account, deque()).append(waiter)
-        self.count += 1
-
-    def pop(self) -> Waiter:
-        account, waiters = next(iter(self.accounts.items()))
-        waiter = waiters.popleft()
-        if waiters:
-            self.accounts.move_to_end(account)  # its next request waits for the others' turns
-        else:
-            del self.accounts[account]
-        self.count -= 1
-        return waiter
-
-    def peek(self) -> Waiter:
-        return next(iter(self.accounts.values()))[0]
-
-    def remove(self, waiter: Waiter) -> bool:
-        waiters = self.accounts.get(waiter.ticket.account)
-        if waiters is None or waiter not in waiters:
-            return False
-        waiters.remove(waiter)
-        if not waiters:
-            del self.accounts[waiter.ticket.account]
-        self.count -= 1
-        return True
-
-
 class TierQueue:
-    """A pool's waiters, highest priority first."""
+    """A pool's waiters: highest priority first, then smallest tag, then arrival."""
 
     def __init__(self) -> None:
-        self._tiers: dict[int, _Tier] = {}
+        # A heap per priority; a waiter that left (its `queue` is None) stays in its heap
+        # until it reaches the top.
+        self._tiers: dict[int, list[tuple[int, int, Waiter]]] = {}
         self._order: list[int] = []  # priorities with waiters, highest first
+        self._count = 0
 
     def __len__(self) -> int:
-        return sum(t.count for t in self._tiers.values())
+        return self._count
 
     def push(self, waiter: Waiter) -> None:
         priority = waiter.ticket.priority
-        tier = self._tiers.get(priority)
-        if tier is None:
-            tier = self._tiers[priority] = _Tier()
+        heap = self._tiers.get(priority)
+        if heap is None:
+            heap = self._tiers[priority] = []
             self._order = sorted(self._tiers, reverse=True)
-        tier.push(waiter)
+        heapq.heappush(heap, (waiter.tag, waiter.seq, waiter))
         waiter.queue = self
+        self._count += 1
 
     def peek(self) -> Waiter | None:
         """Who is next, without taking it out."""
-        return self._tiers[self._order[0]].peek() if self._order else None
+        while self._order:
+            priority = self._order[0]
+            heap = self._tiers[priority]
+            while heap and heap[0][2].queue is not self:
+                heapq.heappop(heap)  # it left
+            if heap:
+                return heap[0][2]
+            del self._tiers[priority]
+            self._order.pop(0)
+        return None
 
     def pop(self) -> Waiter | None:
         """Who runs next (taken out), or None when nobody waits."""
-        if not self._order:
-            return None
-        priority = self._order[0]
-        waiter = self._tiers[priority].pop()
-        self._forget_if_empty(priority)
-        waiter.queue = None
+        waiter = self.peek()
+        if waiter is not None:
+            heapq.heappop(self._tiers[waiter.ticket.priority])
+            waiter.queue = None
+            self._count -= 1
         return waiter
 
     def remove(self, waiter: Waiter) -> None:
-        priority = waiter.ticket.priority
-        tier = self._tiers.get(priority)
-        if tier is not None and tier.remove(waiter):
-            self._forget_if_empty(priority)
-        waiter.queue = None
+        if waiter.queue is self:
+            waiter.queue = None  # dropped from its heap when it reaches the top
+            self._count -= 1
 
-    def ahead(self, priority: int) -> int:
-        """Waiters a new request of `priority` would wait behind (its own tier's included)."""
-        return sum(t.count for p, t in self._tiers.items() if p >= priority)
+    def _waiting(self) -> list[Waiter]:
+        return [w for heap in self._tiers.values() for _, _, w in heap if w.queue is self]
 
-    def place(self, ticket: Ticket) -> int:
-        """How many waiters a new request of `ticket` would be served after: every higher
-        tier's, and in its own tier, by the accounts' turns, its account's own and up to one
-        more than that from each other account (a light account's request does not wait
-        behind a heavy account's whole burst)."""
-        higher = sum(t.count for p, t in self._tiers.items() if p > ticket.priority)
-        tier = self._tiers.get(ticket.priority)
-        if tier is None:
-            return higher
-        own = len(tier.accounts.get(ticket.account, ()))
-        others = sum(min(len(waiters), own + 1) for account, waiters in tier.accounts.items()
-                     if account != ticket.account)
-        return higher + own + others
+    def ahead(self, priority: int, tag: int | None = None) -> int:
+        """Waiters a request of `priority` (and `tag`) would wait behind: every higher tier's,
+        and those of its own with a smaller tag (all of its own without a tag)."""
+        return sum(1 for w in self._waiting() if w.ticket.priority > priority or (
+            w.ticket.priority == priority and (tag is None or w.tag < tag)))
 
     def depth(self) -> dict[str, int]:
         """Waiters by tier name (for /metrics and /admin/backends)."""
         counts: dict[str, int] = {}
-        for tier in self._tiers.values():
-            for waiters in tier.accounts.values():
-                for waiter in waiters:
-                    counts[waiter.ticket.tier] = counts.get(waiter.ticket.tier, 0) + 1
+        for waiter in self._waiting():
+            counts[waiter.ticket.tier] = counts.get(waiter.ticket.tier, 0) + 1
         return counts
-
-    def _forget_if_empty(self, priority: int) -> None:
-        if self._tiers[priority].count == 0:
-            del self._tiers[priority]
-            self._order = sorted(self._tiers, reverse=True)
 
 
 class Drain:
@@ -186,3 +189,8 @@ class Drain:
     def wait_s(self, ahead: int, slots: int) -> float:
         """Expected wait for a place behind `ahead` waiters, with `slots` slots draining."""
         return (ahead + 1) * self.held_s / max(slots, 1)
+
+    def most_ahead(self, max_wait_s: float, slots: int) -> int:
+        """The most waiters a request may find ahead of it and still expect to run within
+        `max_wait_s` (-1: none, not even an empty queue)."""
+        return math.floor(max_wait_s * max(slots, 1) / self.held_s) - 1

@@ -1,62 +1,125 @@
-"""The engines' slots, shared by every worker of every gateway host (the rate-limit Redis: soft
-state, no fsync). One hash tag, so one Cluster slot holds them all and each step is one script:
+"""The engines' slots and the queue's turns, shared by every worker of every gateway host (the
+rate-limit Redis: soft state, no fsync). One hash tag, so one Cluster slot holds them all and
+each step is one script:
 
-    igw:{slots}:total      hash  backend -> requests in flight on it, fleet-wide
-    igw:{slots}:held       hash  backend|process -> that process's share of them
-    igw:{slots}:alive      hash  process -> when its heartbeat lapses (ms)
-    igw:{slots}:queued     hash  pool|priority -> requests waiting in some gateway's queue
-    igw:{slots}:queued_by  hash  pool|priority|process -> that process's share of them
+    igw:{slots}:total       hash  backend -> requests in flight on it, fleet-wide
+    igw:{slots}:held        hash  backend|process -> that process's share of them
+    igw:{slots}:alive       hash  process -> when its heartbeat lapses (ms)
+    igw:{slots}:now         hash  pool|priority -> the tag that last got a slot ("now")
+    igw:{slots}:next:Q      zset  account -> its next turn, for accounts ahead of "now"
+    igw:{slots}:wait:Q      zset  waiting request -> its tag (Q = pool|priority)
+    igw:{slots}:due:Q       zset  waiting request -> when its longest wait ends (ms)
 
-`take` gives a request a slot on the first of its candidate backends with one free, unless a
-request of a higher tier waits for the same pool in any gateway (then it queues behind it: the
-tier order holds across processes). `give_back` frees it. Every process beats its heartbeat
-every `BEAT_S`; the first beat after another process's lapsed gives back everything that process
-held or queued (it crashed). A Redis that restarts forgets what was in flight: gives back then
-find nothing to give (never below zero), and the engines may see up to their slots again on top
-of what was already running, until that drains.
+`take` gives a new request a slot on the first of its candidate backends with one free, unless
+a request of a higher tier, or one of its own tier with an earlier turn (queue.Turns: fair
+queuing over accounts), waits for the same pool in any gateway: then it waits too, tagged with
+its account's next turn, or is refused at once when more wait ahead of it than its longest wait
+allows. A waiting request asks again with `turn` when a slot frees; `leave` takes it out.
+`give_back` frees a slot. Every process beats its heartbeat every `BEAT_S`; the first beat
+after another process's lapsed gives back every slot that process held (it crashed). A waiting
+request is forgotten when its longest wait ends, whoever forgot to take it out (a crashed
+process, a lost connection). A Redis that restarts forgets what was in flight: give-backs then
+find nothing to give (never below zero), and the engines may see up to their slots again on
+top of what was already running, until that drains.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from proxy.store.client import Primaries, Store
 from proxy.store.script_pipe import ScriptPipes
 
 BEAT_S = 2.0
 LAPSE_S = 3 * BEAT_S
-_KEYS = [f"igw:{{slots}}:{name}" for name in ("total", "held", "alive", "queued", "queued_by")]
+_PREFIX = "igw:{slots}:"
+_KEYS = [_PREFIX + name for name in ("total", "held", "alive", "now")]
 
-# ARGV: process, pool, own priority, queue (1: count it as waiting if it gets no slot), n, n
-# higher priorities, then (backend, slots) pairs in preference order. Returns {backend taken or
-# '', requests of its priority or higher already waiting for the pool in every gateway}.
+# KEYS: total, held, now, next:Q, wait:Q, due:Q, then (wait, due) of each higher priority.
+# ARGV: mode ('new' or 'turn'), process, Q, account, request's member, its tag (turn), its
+# longest wait in ms (new), most waiters it may find ahead (new), slots it leaves free for the
+# tiers above (headroom), then (backend, slots) pairs in preference order. Returns {backend
+# taken or '', waiters ahead of it in every gateway, its tag (-1: refused, nothing changed)}.
 _TAKE = """
-local proc, pool, n = ARGV[1], ARGV[2], tonumber(ARGV[5])
-local higher = 0
-for i = 1, n do
-  higher = higher + tonumber(redis.call('HGET', KEYS[4], pool .. '|' .. ARGV[5 + i]) or '0')
+local mode, proc, q, account, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- A waiter past its longest wait is gone, whether or not its gateway could say so.
+local function prune(wait, due)
+  local gone = redis.call('ZRANGEBYSCORE', due, '-inf', now_ms, 'LIMIT', 0, 64)
+  if #gone > 0 then
+    redis.call('ZREM', wait, unpack(gone))
+    redis.call('ZREM', due, unpack(gone))
+  end
 end
-if higher == 0 then
-  for i = 6 + n, #ARGV, 2 do
+local ahead = 0
+for i = 7, #KEYS, 2 do
+  prune(KEYS[i], KEYS[i + 1])
+  ahead = ahead + redis.call('ZCARD', KEYS[i])
+end
+prune(KEYS[5], KEYS[6])
+local now = tonumber(redis.call('HGET', KEYS[3], q) or '0')
+local tag = tonumber(ARGV[6])
+if mode == 'new' then
+  tag = math.max(now, tonumber(redis.call('ZSCORE', KEYS[4], account) or '0'))
+end
+ahead = ahead + redis.call('ZCOUNT', KEYS[5], '-inf', '(' .. tag)
+local room = true
+if ahead == 0 and tonumber(ARGV[9]) > 0 then  -- only when more than its headroom is free
+  local free = 0
+  for i = 10, #ARGV, 2 do
+    free = free + math.max(0, tonumber(ARGV[i + 1]) -
+                              tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
+  end
+  room = free > tonumber(ARGV[9])
+end
+if ahead == 0 and room then
+  for i = 10, #ARGV, 2 do
     local backend = ARGV[i]
     if tonumber(redis.call('HGET', KEYS[1], backend) or '0') < tonumber(ARGV[i + 1]) then
       redis.call('HINCRBY', KEYS[1], backend, 1)
       redis.call('HINCRBY', KEYS[2], backend .. '|' .. proc, 1)
-      return {backend, 0}
+      if mode == 'turn' then
+        redis.call('ZREM', KEYS[5], member)
+        redis.call('ZREM', KEYS[6], member)
+      end
+      if tag > now then
+        now = tag
+        redis.call('HSET', KEYS[3], q, now)
+      end
+      if tonumber(redis.call('ZSCORE', KEYS[4], account) or '0') < tag + 1 then
+        redis.call('ZADD', KEYS[4], tag + 1, account)
+      end
+      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)  -- turns now or past: like new
+      redis.call('PEXPIRE', KEYS[4], 600000)  -- an idle pool's turns are forgotten (10 min)
+      return {backend, 0, tag}
     end
   end
 end
-local field = pool .. '|' .. ARGV[3]
-local same = tonumber(redis.call('HGET', KEYS[4], field) or '0')
-if ARGV[4] == '1' then
-  redis.call('HINCRBY', KEYS[4], field, 1)
-  redis.call('HINCRBY', KEYS[5], field .. '|' .. proc, 1)
+if mode == 'turn' then return {'', ahead, tag} end
+if ahead > tonumber(ARGV[8]) then return {'', ahead, -1} end
+redis.call('ZADD', KEYS[5], tag, member)
+redis.call('ZADD', KEYS[6], now_ms + tonumber(ARGV[7]), member)
+redis.call('ZADD', KEYS[4], tag + 1, account)
+for i = 4, 6 do redis.call('PEXPIRE', KEYS[i], 600000) end
+return {'', ahead, tag}
+"""
+# KEYS: next:Q, wait:Q, due:Q. ARGV: member, account, tag. A waiter leaves; its turn is its
+# account's again if it was the account's last.
+_LEAVE = """
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  if tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '-1') == tonumber(ARGV[3]) + 1 then
+    redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+  end
 end
-return {'', higher + same}
+return 1
 """
 # ARGV: process, backend.
 _GIVE_BACK = """
@@ -70,15 +133,6 @@ else
 end
 local total = redis.call('HINCRBY', KEYS[1], ARGV[2], -1)
 if total <= 0 then redis.call('HDEL', KEYS[1], ARGV[2]) end
-return 1
-"""
-# ARGV: process, pool, priority, +1 or -1.
-_QUEUE = """
-local field = ARGV[2] .. '|' .. ARGV[3]
-local mine = redis.call('HINCRBY', KEYS[5], field .. '|' .. ARGV[1], ARGV[4])
-if mine < 0 then redis.call('HDEL', KEYS[5], field .. '|' .. ARGV[1]) return 0 end
-if mine == 0 then redis.call('HDEL', KEYS[5], field .. '|' .. ARGV[1]) end
-if redis.call('HINCRBY', KEYS[4], field, ARGV[4]) <= 0 then redis.call('HDEL', KEYS[4], field) end
 return 1
 """
 # ARGV: process, now ms, lapse ms. Beats, then gives back what lapsed processes held.
@@ -95,24 +149,35 @@ for i = 1, #alive, 2 do
     living[alive[i]] = true
   end
 end
--- Whatever a process that is not alive holds or queues goes back: one whose beat lapsed, and
--- one forgotten with the whole alive hash (every gateway stopped at once, then a restart).
-local function reap(owned, totals)
-  local fields = redis.call('HGETALL', owned)
-  for i = 1, #fields, 2 do
-    local head, owner = string.match(fields[i], '^(.*)|([^|]*)$')
-    if owner and not living[owner] then
-      redis.call('HDEL', owned, fields[i])
-      if redis.call('HINCRBY', totals, head, -tonumber(fields[i + 1])) <= 0 then
-        redis.call('HDEL', totals, head)
-      end
+-- Whatever a process that is not alive holds goes back: one whose beat lapsed, and one
+-- forgotten with the whole alive hash (every gateway stopped at once, then a restart).
+local fields = redis.call('HGETALL', KEYS[2])
+for i = 1, #fields, 2 do
+  local backend, owner = string.match(fields[i], '^(.*)|([^|]*)$')
+  if owner and not living[owner] then
+    redis.call('HDEL', KEYS[2], fields[i])
+    if redis.call('HINCRBY', KEYS[1], backend, -tonumber(fields[i + 1])) <= 0 then
+      redis.call('HDEL', KEYS[1], backend)
     end
   end
 end
-reap(KEYS[2], KEYS[1])
-reap(KEYS[5], KEYS[4])
 return 1
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What `take` and `turn` found: the backend taken (None: none), the requests waiting
+    ahead in every gateway, and the request's tag (None: refused, it waited for nothing)."""
+
+    backend: str | None
+    ahead: int
+    tag: int | None
+
+
+def _queue_keys(pool: str, priority: int) -> list[str]:
+    q = f"{pool}|{priority}"
+    return [f"{_PREFIX}next:{q}", f"{_PREFIX}wait:{q}", f"{_PREFIX}due:{q}"]
 
 
 def process_id() -> str:
@@ -123,34 +188,57 @@ def process_id() -> str:
 class SlotLedger:
     def __init__(self, redis: Store) -> None:
         self.process = process_id()
+        self._members = itertools.count()
         self._primaries = Primaries(redis)
         self._pipes = ScriptPipes(self._primaries)
         self._take = redis.register_script(_TAKE)
+        self._leave = redis.register_script(_LEAVE)
         self._give_back = redis.register_script(_GIVE_BACK)
-        self._queue = redis.register_script(_QUEUE)
         self._beat = redis.register_script(_BEAT)
 
-    async def take(self, pool: str, priority: int, higher: Sequence[int],
-                   candidates: Sequence[tuple[str, int]], *, queue: bool = False
-                   ) -> tuple[str | None, int]:
-        """A slot on the first candidate (backend, slots) with one free: its name; None when
-        none has one, or a higher priority waits for `pool`. With it, how many requests of
-        `priority` or higher wait for `pool` in every gateway (0 when taken). `queue`: one
-        that gets no slot is counted as waiting in the same step (`queued(..., -1)` when it
-        stops)."""
-        args: list[str | int] = [self.process, pool, priority, int(queue), len(higher),
-                                 *higher]
+    def member(self) -> str:
+        """A name for a waiting request, unique in the fleet."""
+        return f"{self.process}|{next(self._members)}"
+
+    async def take(self, pool: str, priority: int, higher: Sequence[int], account: str,
+                   candidates: Sequence[tuple[str, int]], *, member: str = "",
+                   wait_s: float = 0.0, most_ahead: int = -1, keep_free: int = 0) -> Taken:
+        """A new request of `account`: a slot on the first candidate (backend, slots) with
+        one free when nobody waits ahead of it and more than `keep_free` slots are free;
+        otherwise it waits as `member` for up to `wait_s`, unless more than `most_ahead` wait
+        ahead of it (refused: `tag` None)."""
+        return await self._call("new", pool, priority, higher, account, candidates,
+                                member, 0, wait_s, most_ahead, keep_free)
+
+    async def turn(self, pool: str, priority: int, higher: Sequence[int], account: str,
+                   candidates: Sequence[tuple[str, int]], member: str, tag: int,
+                   keep_free: int = 0) -> Taken:
+        """A waiting request asks again: a slot when nobody waits ahead of it and more than
+        `keep_free` are free (it stops waiting then)."""
+        return await self._call("turn", pool, priority, higher, account, candidates,
+                                member, tag, 0.0, 0, keep_free)
+
+    async def leave(self, pool: str, priority: int, account: str, member: str,
+                    tag: int) -> None:
+        """A waiting request gives up."""
+        await self._pipes.call(self._leave, _queue_keys(pool, priority), [member, account, tag])
+
+    async def _call(self, mode: str, pool: str, priority: int, higher: Sequence[int],
+                    account: str, candidates: Sequence[tuple[str, int]], member: str,
+                    tag: int, wait_s: float, most_ahead: int, keep_free: int) -> Taken:
+        keys = [_KEYS[0], _KEYS[1], _KEYS[3], *_queue_keys(pool, priority)]
+        for above in higher:
+            keys += _queue_keys(pool, above)[1:]
+        args: list[str | int] = [mode, self.process, f"{pool}|{priority}", account, member,
+                                 tag, int(wait_s * 1000) + 1000, most_ahead, keep_free]
         for name, slots in candidates:
             args += [name, slots]
-        taken, ahead = await self._pipes.call(self._take, _KEYS, args)
+        taken, ahead, tagged = await self._pipes.call(self._take, keys, args)
         name = taken.decode() if isinstance(taken, bytes) else str(taken)
-        return name or None, int(ahead)
+        return Taken(name or None, int(ahead), None if int(tagged) < 0 else int(tagged))
 
     async def give_back(self, backend: str) -> None:
         await self._pipes.call(self._give_back, _KEYS, [self.process, backend])
-
-    async def queued(self, pool: str, priority: int, delta: int) -> None:
-        await self._pipes.call(self._queue, _KEYS, [self.process, pool, priority, delta])
 
     async def beat(self, now: float | None = None) -> None:
         """This process is alive; processes whose beat lapsed before `now` are not."""

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.upstream.slots import LAPSE_S, SlotLedger
+from proxy.upstream.slots import LAPSE_S, SlotLedger, Taken
 from tests.support.accounts import funded_key, new_key
 from tests.support.config_files import MODEL
 from tests.support.gateway import GatewayFactory, settled
@@ -25,7 +25,7 @@ from tests.support.upstreams import SimulatorFactory, sim_requests
 CHAT = "/v2/compat/v1/chat/completions"
 
 
-def tiers(basic_wait: float = 30.0, families: str = '"chat"') -> str:
+def tiers(basic_wait: float = 30.0, families: str = '"chat"', headroom: float = 0.0) -> str:
     return "".join(f"""
 [tiers.{name}]
 requests_per_minute = 10000
@@ -33,6 +33,7 @@ families = [{families}]
 models = {{ "*" = ["direct"] }}
 priority = {priority}
 max_queue_wait_s = {wait}
+headroom = {headroom if priority < 2 else 0}
 """ for name, priority, wait in [("guest", 0, 2), ("basic", 1, basic_wait), ("pro", 2, 30),
                                   ("max", 3, 30)])
 
@@ -101,6 +102,35 @@ async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
     assert outcomes == {"completed"}  # never a 503 from the engine: one in flight at a time
 
 
+async def test_lower_tiers_leave_headroom_for_the_tiers_above(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Basic's headroom 0.2 of a five-slot engine: a Basic burst runs four at a time, so a
+    Max request sent after it finds the fifth slot free and runs before the queued Basic
+    ones."""
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "ops")
+    sim = await simulator(ttft_ms=300, tokens_per_s=200, max_concurrency=5,
+                          default_completion_tokens=8)
+    gw = await gateway({"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+                        "models": [MODEL], "max_concurrency": 5},
+                       policies={"tiers.toml": tiers(headroom=0.2)})
+    basic, top = await keys(clean_redis.url, ("basic", "acct-hb"), ("max", "acct-hm"))
+    burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(6)]
+    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(gw.make_url("/admin/backends"),
+                             headers={"Authorization": "Bearer ops"}) as r:
+                view = await r.json()
+            if view["queues"] == {f"chat/{MODEL}/direct": {"basic": 2}} and \
+                    view["data"][0]["slots"]["in_use"] == 4:
+                break
+            await asyncio.sleep(0.01)
+    done = await asyncio.gather(*burst, chat(gw, top, "max"))
+    assert [status for status, _, _ in done] == [200] * 7
+    seen = order(await sim_requests(sim))
+    assert seen.index("max") == 4, seen  # after the four running, before the two waiting
+
+
 async def test_accounts_of_one_tier_take_turns(
         simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
     sim, [gw] = await one_slot(simulator, gateway)
@@ -110,9 +140,25 @@ async def test_accounts_of_one_tier_take_turns(
     late = [asyncio.create_task(chat(gw, light, f"light {i}")) for i in range(2)]
     await asyncio.gather(*burst, *late)
     seen = order(await sim_requests(sim))
-    # One heavy request was running; then the two accounts alternate.
+    # One heavy request was running; then light's first (its turn is "now", heavy's next are
+    # behind it), and the two accounts alternate while both wait.
     assert [who.split()[0] for who in seen] == [
-        "heavy", "heavy", "light", "heavy", "light", "heavy", "heavy"], seen
+        "heavy", "light", "heavy", "light", "heavy", "heavy", "heavy"], seen
+
+
+async def test_accounts_take_turns_across_gateways(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """The turns are the fleet's: a light account's request sent to another gateway runs
+    before the heavy account's backlog queued in the first."""
+    sim, [one, other] = await one_slot(simulator, gateway, count=2)
+    heavy, light = await keys(clean_redis.url, ("basic", "acct-h2"), ("basic", "acct-l2"))
+    burst = [asyncio.create_task(chat(one, heavy, f"heavy {i}")) for i in range(4)]
+    await asyncio.sleep(0.1)
+    late = asyncio.create_task(chat(other, light, "light"))
+    done = await asyncio.gather(*burst, late)
+    assert [status for status, _, _ in done] == [200] * 5
+    seen = order(await sim_requests(sim))
+    assert seen[1] == "light", seen
 
 
 async def test_a_tier_past_its_longest_wait_is_shed_at_once_and_charged_nothing(
@@ -172,21 +218,26 @@ async def test_a_crashed_process_gives_its_slots_back(clean_redis: RedisProcess)
     crashed, alive = SlotLedger(redis), SlotLedger(redis)
     try:
         await crashed.beat()
-        assert await crashed.take("pool", 3, (), [("b0", 1)]) == ("b0", 0)
-        assert await alive.take("pool", 3, (), [("b0", 1)]) == (None, 0)  # full
-        await crashed.queued("pool", 3, 1)  # a Max request waiting in the crashed process
+        assert await crashed.take("pool", 3, (), "m", [("b0", 1)]) == Taken("b0", 0, 0)
+        # A second Max request waits in the crashed process (its longest wait: 0.3 s).
+        assert await crashed.take("pool", 3, (), "m", [("b0", 1)], member=crashed.member(),
+                                  wait_s=0.3, most_ahead=5) == Taken(None, 0, 1)
         await alive.beat()
-        # Not yet lapsed: full, and a Basic request learns one waits ahead of it.
-        assert await alive.take("pool", 1, (3,), [("b0", 1)]) == (None, 1)
+        # Not yet lapsed: full, and a Basic request learns one waits ahead of it (refused:
+        # it may find none ahead).
+        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken(None, 1, None)
         await alive.beat(now=time.time() + LAPSE_S + 1)
-        assert await alive.in_flight() == {}
-        assert await alive.take("pool", 1, (3,), [("b0", 1)]) == ("b0", 0)  # nobody above
+        assert await alive.in_flight() == {}  # the crashed process's slot is back
+        # Its waiter still comes first until its longest wait (and a second's margin) ends.
+        assert (await alive.take("pool", 1, (3,), "b", [("b0", 1)])).backend is None
+        await asyncio.sleep(1.4)
+        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken("b0", 0, 0)
         await alive.give_back("b0")
         await alive.give_back("b0")  # a second give-back finds nothing to give
         assert await alive.in_flight() == {}
         # Every gateway stopped at once while holding a slot, and the alive hash expired:
         # the first beat after the restart gives it back.
-        assert await crashed.take("pool", 3, (), [("b0", 1)]) == ("b0", 0)
+        assert (await crashed.take("pool", 3, (), "m", [("b0", 1)])).backend == "b0"
         await redis.delete("igw:{slots}:alive")
         restarted = SlotLedger(redis)
         await restarted.beat()
@@ -195,6 +246,44 @@ async def test_a_crashed_process_gives_its_slots_back(clean_redis: RedisProcess)
     finally:
         await crashed.close()
         await alive.close()
+        await redis.aclose()
+
+
+async def test_the_ledger_gives_turns_by_account_across_processes(
+        clean_redis: RedisProcess) -> None:
+    """Fair queuing in the ledger: a heavy account's backlog in one process, a light
+    account's request in another; the light one is next, a new heavy one finds the backlog
+    ahead of it (refused where that is too many), a new light one does not."""
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(clean_redis.url)
+    one, other = SlotLedger(redis), SlotLedger(redis)
+    slot = [("b0", 1)]
+    try:
+        assert await one.take("pool", 1, (), "heavy", slot) == Taken("b0", 0, 0)
+        backlog = [one.member() for _ in range(3)]
+        for tag, member in enumerate(backlog, start=1):
+            assert await one.take("pool", 1, (), "heavy", slot, member=member, wait_s=30,
+                                  most_ahead=10) == Taken(None, tag - 1, tag)
+        light = other.member()
+        assert await other.take("pool", 1, (), "light", slot, member=light, wait_s=30,
+                                most_ahead=10) == Taken(None, 0, 0)
+        await one.give_back("b0")
+        # Heavy's next asks first, but light's turn (0) comes before its (1).
+        assert await one.turn("pool", 1, (), "heavy", slot, backlog[0], 1) == Taken(None, 1, 1)
+        assert await other.turn("pool", 1, (), "light", slot, light, 0) == Taken("b0", 0, 0)
+        # Three of heavy's wait ahead of a new heavy request: more than the one it may find.
+        assert await one.take("pool", 1, (), "heavy", slot, member=one.member(), wait_s=30,
+                              most_ahead=1) == Taken(None, 3, None)
+        # A new light request's turn (1) ties heavy's first: nobody ahead of it.
+        assert await other.take("pool", 1, (), "light", slot, member=other.member(),
+                                wait_s=30, most_ahead=1) == Taken(None, 0, 1)
+        # A heavy waiter that gives up hands its turn back only when it was its last.
+        await one.leave("pool", 1, "heavy", backlog[2], 3)
+        assert await redis.zscore("igw:{slots}:next:pool|1", "heavy") == 3
+    finally:
+        await one.close()
+        await other.close()
         await redis.aclose()
 
 
@@ -238,7 +327,9 @@ async def test_slots_never_leak_when_clients_leave_at_any_moment(
         async with asyncio.timeout(5):  # the cut requests end and give back what they held
             while True:
                 held = await redis.hgetall("igw:{slots}:total")
-                if not held and not await redis.hgetall("igw:{slots}:queued"):
+                waiting = [await redis.zcard(key)
+                           async for key in redis.scan_iter("igw:{slots}:wait:*")]
+                if not held and not any(waiting):
                     break
                 await asyncio.sleep(0.05)
     finally:

@@ -4,6 +4,8 @@ can poll by its `task_address`.
 
     mode     "network" as asked; "auto" is direct when the model's direct pool has a healthy
              backend, else network when the model is offered there (a stream: always direct)
+    slots    with the dispatcher, a slot on each of `replicas` backends, taken at once (the
+             request waits in its tier's place until they are free)
     run      each replica on its own one-backend pool (no retry elsewhere: a failed replica is
              a vote lost), the same body (chat: one `seed`, [network] seed, unless the client set
              one), concurrently (proxy.upstream.redundant)
@@ -25,7 +27,6 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from proxy.config import NetworkPolicy
 from proxy.errors import ErrorKind, GatewayError
 from proxy.families.base import Answer, Ctx, Family, Job
 from proxy.families.chat import fetch_completion
@@ -58,13 +59,20 @@ class Agreed:
     agreement: dict[str, Any]
 
 
-async def agreed(policy: NetworkPolicy, pool: Pool, run_one: Callable[[Pool], Awaitable[T]],
-                 key: Callable[[T], str], request_id: str) -> Agreed:
-    """Run on distinct backends; the answer a quorum agrees on (502 / the failure otherwise)."""
-    backends = pool.pick_distinct(policy.replicas)
-    verdict: Verdict[T] = await run_redundant(
-        backends, lambda backend: run_one(Pool(pool.model, [backend])), key=key,
-        quorum=policy.needed, name=lambda backend: backend.name)
+async def agreed(ctx: Ctx, pool: Pool, run_one: Callable[[Pool], Awaitable[T]],
+                 key: Callable[[T], str]) -> Agreed:
+    """Run on distinct backends; the answer a quorum agrees on (502 / the failure otherwise).
+    With the dispatcher, the request waits in its tier's place until every replica has a
+    slot, all taken at once (proxy.upstream.dispatch)."""
+    policy = ctx.policies.requests.network
+    dispatcher = ctx.upstreams.dispatcher
+    replicas = await dispatcher.acquire_distinct(pool, ctx.ticket, policy.replicas)
+    try:
+        verdict: Verdict[T] = await run_redundant(
+            replicas, run_one, key=key, quorum=policy.needed,
+            name=lambda replica: replica.backends[0].name)
+    finally:
+        dispatcher.release_unused(replicas)
     if not verdict.agreed:
         failures = [exc for _, exc in verdict.failures]
         if len(failures) == verdict.replicas and isinstance(failures[0], GatewayError):
@@ -72,7 +80,7 @@ async def agreed(policy: NetworkPolicy, pool: Pool, run_one: Callable[[Pool], Aw
         raise GatewayError(ErrorKind.UPSTREAM_ERROR,
                            f"the {verdict.replicas} replicas did not agree ({verdict.agreeing} "
                            f"identical answers, {verdict.quorum} needed)")
-    return Agreed(verdict.answer, task_address(request_id, pool.model, verdict.fingerprints), {
+    return Agreed(verdict.answer, task_address(ctx.request_id, pool.model, verdict.fingerprints), {
         "replicas": verdict.replicas, "agreeing": verdict.agreeing, "quorum": verdict.quorum,
         "backends": verdict.backends, "fingerprints": verdict.fingerprints})
 
@@ -82,10 +90,9 @@ async def network_chat(ctx: Ctx, store: TaskStore, account: str, style: ChatStyl
                        ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """The completion a quorum agrees on, rendered in the style with its `task_address`, and
     recorded (the record is the rendered answer); with the engine's usage and the address."""
-    network = ctx.policies.requests.network
-    done = await agreed(network, pool,
-                        lambda one: fetch_completion(ctx, call, cap, one, network.seed),
-                        fingerprint, ctx.request_id)
+    seed = ctx.policies.requests.network.seed
+    done = await agreed(ctx, pool, lambda one: fetch_completion(ctx, call, cap, one, seed),
+                        fingerprint)
     rendered = style.response(done.answer, call, task_id, "network")
     rendered["task_address"] = done.address
     await record(ctx, store, account, done, rendered)
@@ -96,9 +103,8 @@ async def network_answer(ctx: Ctx, store: TaskStore, account: str, family: Famil
                          pool: Pool, recorded: Callable[[Answer], Any]) -> Answer:
     """The answer (speech, so far) a quorum agrees on, recorded as `recorded(answer)` says,
     with its `X-Task-Address`."""
-    done = await agreed(ctx.policies.requests.network, pool,
-                        lambda one: family.produce(ctx, job, one),
-                        lambda answer: fingerprint(answer.body), ctx.request_id)
+    done = await agreed(ctx, pool, lambda one: family.produce(ctx, job, one),
+                        lambda answer: fingerprint(answer.body))
     answer: Answer = done.answer
     await record(ctx, store, account, done, recorded(answer))
     return Answer(answer.body, answer.content_type, answer.used,

@@ -68,11 +68,13 @@ class Early:
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """What a waiter asks for besides its ticket: its prompt's blocks and a backend to avoid."""
+    """What a waiter asks for besides its ticket: its prompt's blocks, a backend to avoid, and
+    how many distinct backends it needs a slot on at once (network mode's replicas)."""
 
     prompt: Prompt | None
     exclude: Backend | None
     queued_at: float
+    need: int = 1
 
 
 class Dispatcher:
@@ -95,14 +97,38 @@ class Dispatcher:
         """A backend of `pool` with a slot held for this request (give it back with
         `release`); 503 when none can be had within the ticket's longest wait. Without a
         ticket (no tier: internal calls), no queue: the pick as before."""
+        if pool.held:
+            return pool.held.pop()
         if ticket is None:
             return pool.pick(exclude=exclude, prompt=prompt)
         waiter = Waiter(ticket, want=Want(prompt, exclude, time.monotonic()))
-        taken = await self._arrive(pool, waiter)
-        if taken is None:
-            taken = await self._wait(pool, waiter)
-        pool.placed(taken, prompt)
-        return taken
+        taken = await self._arrive(pool, waiter) or await self._wait(pool, waiter)
+        pool.placed(taken[0], prompt)
+        return taken[0]
+
+    async def acquire_distinct(self, pool: Pool, ticket: Ticket | None, n: int
+                               ) -> list[Pool]:
+        """`n` distinct backends of `pool` for one network-mode request, as one-backend
+        pools; with the dispatcher, a slot held on each (taken all at once, so two requests
+        never each hold part of what the other needs), waiting in `ticket`'s place until
+        they are free. The slots go to the replicas' calls (`Pool.held`); `release_unused`
+        gives back those a replica never took."""
+        if ticket is None or self.ledger is None:
+            return [Pool(pool.model, [b], key=pool.key) for b in pool.pick_distinct(n)]
+        waiter = Waiter(ticket, want=Want(None, None, time.monotonic(), n))
+        taken = await self._arrive(pool, waiter) or await self._wait(pool, waiter)
+        replicas = []
+        for backend in taken:
+            replica = Pool(pool.model, [backend], key=pool.key)
+            replica.held.append(backend)
+            replicas.append(replica)
+        return replicas
+
+    def release_unused(self, replicas: list[Pool]) -> None:
+        """Give back the slots of replicas that never made their call (cancelled first)."""
+        for replica in replicas:
+            while replica.held:
+                self.release(replica, replica.held.pop(), 0.0)
 
     def start(self, pool: Pool, ticket: Ticket | None, prompt: Prompt | None) -> Early | None:
         """Begin taking a slot now, for a request about to be admitted; None without a
@@ -179,15 +205,15 @@ class Dispatcher:
 
     # --- taking a slot -------------------------------------------------------------------
 
-    async def _arrive(self, pool: Pool, waiter: Waiter) -> Backend | None:
-        """A new request: a slot when one is free and nobody waits ahead of it; otherwise
+    async def _arrive(self, pool: Pool, waiter: Waiter) -> list[Backend] | None:
+        """A new request: its slot(s) when free and nobody waits ahead of it; otherwise
         None, with its turn in `waiter.tag` (and its place in the ledger's queue). 503 when
         more wait ahead of it than its longest wait allows, or when the pool has no available
         backend at all."""
         want: Want = waiter.want
         ticket = waiter.ticket
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
-            return pool.preferred(exclude=want.exclude, prompt=want.prompt)[0]
+            return [pool.preferred(exclude=want.exclude, prompt=want.prompt)[0]]
         preferred = pool.preferred(exclude=want.exclude, prompt=want.prompt, capped=False)
         if not self._started.is_set():  # this process's first: known alive before it takes
             self._started.set()
@@ -199,7 +225,7 @@ class Dispatcher:
             call = asyncio.ensure_future(self.ledger.take(
                 pool.key, ticket.priority, ticket.higher, ticket.account, _offer(preferred),
                 member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
-                keep_free=_headroom(pool, ticket)))
+                keep_free=_headroom(pool, ticket), need=want.need))
             try:
                 got = await asyncio.shield(call)
             except RedisError:
@@ -213,13 +239,14 @@ class Dispatcher:
                 if got.tag is None:
                     raise self._shed(pool, ticket, got.ahead, "expected")
                 waiter.tag = got.tag
-                return _named(preferred, got.backend)
+                return _named(preferred, got.backends)
         # The ledger is unreachable: this worker's own counts, turns and queue.
         turns = self._local_turns(pool, ticket)
         waiter.tag = turns.tag(ticket.account)
         queue = self._queues.get(pool.key)
         ahead = queue.ahead(ticket.priority, waiter.tag) if queue else 0
-        if ahead == 0 and (local := _free(preferred, _headroom(pool, ticket))) is not None:
+        if ahead == 0 and (local := _free(preferred, _headroom(pool, ticket),
+                                          want.need)) is not None:
             turns.served(ticket.account, waiter.tag)
             return local
         if ahead > most_ahead:
@@ -227,8 +254,8 @@ class Dispatcher:
         turns.queued(ticket.account, waiter.tag)
         return None
 
-    async def _turn(self, pool: Pool, waiter: Waiter) -> Backend | None:
-        """A waiter's slot, when one is free and no waiter of any gateway comes before it."""
+    async def _turn(self, pool: Pool, waiter: Waiter) -> list[Backend] | None:
+        """A waiter's slot(s), when free and no waiter of any gateway comes before it."""
         want: Want = waiter.want
         ticket = waiter.ticket
         preferred = pool.preferred(exclude=want.exclude, prompt=want.prompt, capped=False)
@@ -236,11 +263,11 @@ class Dispatcher:
             try:
                 got = await self.ledger.turn(pool.key, ticket.priority, ticket.higher,
                                              ticket.account, _offer(preferred), waiter.member,
-                                             waiter.tag, _headroom(pool, ticket))
-                return _named(preferred, got.backend)
+                                             waiter.tag, _headroom(pool, ticket), want.need)
+                return _named(preferred, got.backends)
             except RedisError:
                 self._shared = False
-        local = _free(preferred, _headroom(pool, ticket))  # this worker's head: first here
+        local = _free(preferred, _headroom(pool, ticket), want.need)  # the head: first here
         if local is not None:
             self._local_turns(pool, ticket).served(ticket.account, waiter.tag)
         return local
@@ -251,9 +278,10 @@ class Dispatcher:
         if done.cancelled() or done.exception() is not None:
             return
         got = done.result()
-        taken = _named(preferred, got.backend)
-        if taken is not None:
-            self.release(pool, taken, 0.0)
+        taken = _named(preferred, got.backends)
+        if taken:
+            for backend in taken:
+                self.release(pool, backend, 0.0)
         elif got.tag is not None:
             waiter.tag = got.tag
             self._left(pool, waiter)
@@ -278,8 +306,8 @@ class Dispatcher:
 
     # --- waiting ---------------------------------------------------------------------------
 
-    async def _wait(self, pool: Pool, waiter: Waiter) -> Backend:
-        """Wait in this worker's queue for a slot, up to the ticket's longest wait."""
+    async def _wait(self, pool: Pool, waiter: Waiter) -> list[Backend]:
+        """Wait in this worker's queue for its slot(s), up to the ticket's longest wait."""
         ticket = waiter.ticket
         queue = self._queues.setdefault(pool.key, TierQueue())
         queue.push(waiter)
@@ -287,12 +315,13 @@ class Dispatcher:
         self._pump(pool)
         try:
             async with asyncio.timeout(ticket.max_wait_s):
-                backend: Backend = await asyncio.shield(waiter.granted)
+                taken: list[Backend] = await asyncio.shield(waiter.granted)
         except BaseException as exc:
             waiter.leave()
             if waiter.granted.done() and not waiter.granted.cancelled():
-                # Granted as it gave up: the slot goes back (and to the next waiter).
-                self.release(pool, waiter.granted.result(), 0.0)
+                # Granted as it gave up: the slots go back (and to the next waiter).
+                for backend in waiter.granted.result():
+                    self.release(pool, backend, 0.0)
             else:
                 waiter.granted.cancel()
                 self._left(pool, waiter)
@@ -303,7 +332,7 @@ class Dispatcher:
         finally:
             self.metrics.queued(pool.model, ticket.tier, -1)
         self.metrics.waited(pool.model, ticket.tier, time.monotonic() - waiter.want.queued_at)
-        return backend
+        return taken
 
     def _pump(self, pool: Pool) -> None:
         running = self._pumps.get(pool.key)
@@ -330,8 +359,9 @@ class Dispatcher:
                 if queue.peek() is head and not head.granted.done():
                     queue.pop()
                     head.granted.set_result(taken)
-                else:  # it left while we asked: the slot goes back
-                    self.release(pool, taken, self._drain(pool).held_s)
+                else:  # it left while we asked: the slots go back
+                    for backend in taken:
+                        self.release(pool, backend, self._drain(pool).held_s)
                 continue
             wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -360,17 +390,19 @@ def _offer(preferred: list[Backend]) -> list[tuple[str, int]]:
     return [(b.name, b.spec.max_concurrency) for b in preferred]
 
 
-def _named(preferred: list[Backend], name: str | None) -> Backend | None:
-    return next((b for b in preferred if b.name == name), None) if name else None
+def _named(preferred: list[Backend], names: tuple[str, ...]) -> list[Backend] | None:
+    by_name = {b.name: b for b in preferred}
+    return [by_name[name] for name in names if name in by_name] or None
 
 
-def _free(preferred: list[Backend], keep_free: int) -> Backend | None:
-    """The first backend with a slot free by this worker's own counts, when more than
-    `keep_free` are."""
+def _free(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:
+    """The first `need` backends with a slot free by this worker's own counts, when more
+    than `keep_free` are."""
     free = sum(max(0, b.spec.max_concurrency - b.outstanding) for b in preferred)
     if free <= keep_free:
         return None
-    return next((b for b in preferred if b.outstanding < b.spec.max_concurrency), None)
+    found = [b for b in preferred if b.outstanding < b.spec.max_concurrency][:need]
+    return found if len(found) == need else None
 
 
 def _headroom(pool: Pool, ticket: Ticket) -> int:

@@ -10,17 +10,18 @@ each step is one script:
     igw:{slots}:wait:Q      zset  waiting request -> its tag (Q = pool|priority)
     igw:{slots}:due:Q       zset  waiting request -> when its longest wait ends (ms)
 
-`take` gives a new request a slot on the first of its candidate backends with one free, unless
-a request of a higher tier, or one of its own tier with an earlier turn (queue.Turns: fair
-queuing over accounts), waits for the same pool in any gateway: then it waits too, tagged with
-its account's next turn, or is refused at once when more wait ahead of it than its longest wait
-allows. A waiting request asks again with `turn` when a slot frees; `leave` takes it out.
-`give_back` frees a slot. Every process beats its heartbeat every `BEAT_S`; the first beat
-after another process's lapsed gives back every slot that process held (it crashed). A waiting
-request is forgotten when its longest wait ends, whoever forgot to take it out (a crashed
-process, a lost connection). A Redis that restarts forgets what was in flight: give-backs then
-find nothing to give (never below zero), and the engines may see up to their slots again on
-top of what was already running, until that drains.
+`take` gives a new request a slot on the first of its candidate backends with one free (a
+network-mode request: one on each of several, all at once), unless a request of a higher tier,
+or one of its own tier with an earlier turn (queue.Turns: fair queuing over accounts), waits
+for the same pool in any gateway: then it waits too, tagged with its account's next turn, or
+is refused at once when more wait ahead of it than its longest wait allows. A waiting request
+asks again with `turn` when a slot frees; `leave` takes it out. `give_back` frees a slot.
+Every process beats its heartbeat every `BEAT_S`; the first beat after another process's lapsed
+gives back every slot that process held (it crashed). A waiting request is forgotten when its
+longest wait ends, whoever forgot to take it out (a crashed process, a lost connection). A
+Redis that restarts forgets what was in flight: give-backs then find nothing to give (never
+below zero), and the engines may see up to their slots again on top of what was already
+running, until that drains.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ _KEYS = [_PREFIX + name for name in ("total", "held", "alive", "now")]
 # KEYS: total, held, now, next:Q, wait:Q, due:Q, then (wait, due) of each higher priority.
 # ARGV: mode ('new' or 'turn'), process, Q, account, request's member, its tag (turn), its
 # longest wait in ms (new), most waiters it may find ahead (new), slots it leaves free for the
-# tiers above (headroom), then (backend, slots) pairs in preference order. Returns {backend
-# taken or '', waiters ahead of it in every gateway, its tag (-1: refused, nothing changed)}.
+# tiers above (headroom), distinct backends it needs a slot on at once (network mode: several),
+# then (backend, slots) pairs in preference order. Returns {backends taken (one per line) or '',
+# waiters ahead of it in every gateway, its tag (-1: refused, nothing changed)}.
 _TAKE = """
 local mode, proc, q, account, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local t = redis.call('TIME')
@@ -70,36 +72,42 @@ if mode == 'new' then
   tag = math.max(now, tonumber(redis.call('ZSCORE', KEYS[4], account) or '0'))
 end
 ahead = ahead + redis.call('ZCOUNT', KEYS[5], '-inf', '(' .. tag)
-local room = true
+local need, room = tonumber(ARGV[10]), true
 if ahead == 0 and tonumber(ARGV[9]) > 0 then  -- only when more than its headroom is free
   local free = 0
-  for i = 10, #ARGV, 2 do
+  for i = 11, #ARGV, 2 do
     free = free + math.max(0, tonumber(ARGV[i + 1]) -
                               tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
   end
   room = free > tonumber(ARGV[9])
 end
 if ahead == 0 and room then
-  for i = 10, #ARGV, 2 do
-    local backend = ARGV[i]
-    if tonumber(redis.call('HGET', KEYS[1], backend) or '0') < tonumber(ARGV[i + 1]) then
+  local found = {}
+  for i = 11, #ARGV, 2 do
+    if #found == need then break end
+    if tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') < tonumber(ARGV[i + 1]) then
+      found[#found + 1] = ARGV[i]
+    end
+  end
+  if #found == need then
+    for _, backend in ipairs(found) do
       redis.call('HINCRBY', KEYS[1], backend, 1)
       redis.call('HINCRBY', KEYS[2], backend .. '|' .. proc, 1)
-      if mode == 'turn' then
-        redis.call('ZREM', KEYS[5], member)
-        redis.call('ZREM', KEYS[6], member)
-      end
-      if tag > now then
-        now = tag
-        redis.call('HSET', KEYS[3], q, now)
-      end
-      if tonumber(redis.call('ZSCORE', KEYS[4], account) or '0') < tag + 1 then
-        redis.call('ZADD', KEYS[4], tag + 1, account)
-      end
-      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)  -- turns now or past: like new
-      redis.call('PEXPIRE', KEYS[4], 600000)  -- an idle pool's turns are forgotten (10 min)
-      return {backend, 0, tag}
     end
+    if mode == 'turn' then
+      redis.call('ZREM', KEYS[5], member)
+      redis.call('ZREM', KEYS[6], member)
+    end
+    if tag > now then
+      now = tag
+      redis.call('HSET', KEYS[3], q, now)
+    end
+    if tonumber(redis.call('ZSCORE', KEYS[4], account) or '0') < tag + 1 then
+      redis.call('ZADD', KEYS[4], tag + 1, account)
+    end
+    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)  -- turns now or past: like new
+    redis.call('PEXPIRE', KEYS[4], 600000)  -- an idle pool's turns are forgotten (10 min)
+    return {table.concat(found, '\\n'), 0, tag}
   end
 end
 if mode == 'turn' then return {'', ahead, tag} end
@@ -167,10 +175,11 @@ return 1
 
 @dataclass(frozen=True, slots=True)
 class Taken:
-    """What `take` and `turn` found: the backend taken (None: none), the requests waiting
-    ahead in every gateway, and the request's tag (None: refused, it waited for nothing)."""
+    """What `take` and `turn` found: the backends taken (none, or as many as it needs), the
+    requests waiting ahead in every gateway, and the request's tag (None: refused, it waited
+    for nothing)."""
 
-    backend: str | None
+    backends: tuple[str, ...]
     ahead: int
     tag: int | None
 
@@ -202,21 +211,22 @@ class SlotLedger:
 
     async def take(self, pool: str, priority: int, higher: Sequence[int], account: str,
                    candidates: Sequence[tuple[str, int]], *, member: str = "",
-                   wait_s: float = 0.0, most_ahead: int = -1, keep_free: int = 0) -> Taken:
+                   wait_s: float = 0.0, most_ahead: int = -1, keep_free: int = 0,
+                   need: int = 1) -> Taken:
         """A new request of `account`: a slot on the first candidate (backend, slots) with
-        one free when nobody waits ahead of it and more than `keep_free` slots are free;
-        otherwise it waits as `member` for up to `wait_s`, unless more than `most_ahead` wait
-        ahead of it (refused: `tag` None)."""
+        one free (on each of the first `need` with one) when nobody waits ahead of it and more
+        than `keep_free` slots are free; otherwise it waits as `member` for up to `wait_s`,
+        unless more than `most_ahead` wait ahead of it (refused: `tag` None)."""
         return await self._call("new", pool, priority, higher, account, candidates,
-                                member, 0, wait_s, most_ahead, keep_free)
+                                member, 0, wait_s, most_ahead, keep_free, need)
 
     async def turn(self, pool: str, priority: int, higher: Sequence[int], account: str,
                    candidates: Sequence[tuple[str, int]], member: str, tag: int,
-                   keep_free: int = 0) -> Taken:
-        """A waiting request asks again: a slot when nobody waits ahead of it and more than
-        `keep_free` are free (it stops waiting then)."""
+                   keep_free: int = 0, need: int = 1) -> Taken:
+        """A waiting request asks again: its slots when nobody waits ahead of it and more
+        than `keep_free` are free (it stops waiting then)."""
         return await self._call("turn", pool, priority, higher, account, candidates,
-                                member, tag, 0.0, 0, keep_free)
+                                member, tag, 0.0, 0, keep_free, need)
 
     async def leave(self, pool: str, priority: int, account: str, member: str,
                     tag: int) -> None:
@@ -225,17 +235,19 @@ class SlotLedger:
 
     async def _call(self, mode: str, pool: str, priority: int, higher: Sequence[int],
                     account: str, candidates: Sequence[tuple[str, int]], member: str,
-                    tag: int, wait_s: float, most_ahead: int, keep_free: int) -> Taken:
+                    tag: int, wait_s: float, most_ahead: int, keep_free: int, need: int
+                    ) -> Taken:
         keys = [_KEYS[0], _KEYS[1], _KEYS[3], *_queue_keys(pool, priority)]
         for above in higher:
             keys += _queue_keys(pool, above)[1:]
         args: list[str | int] = [mode, self.process, f"{pool}|{priority}", account, member,
-                                 tag, int(wait_s * 1000) + 1000, most_ahead, keep_free]
+                                 tag, int(wait_s * 1000) + 1000, most_ahead, keep_free, need]
         for name, slots in candidates:
             args += [name, slots]
         taken, ahead, tagged = await self._pipes.call(self._take, keys, args)
-        name = taken.decode() if isinstance(taken, bytes) else str(taken)
-        return Taken(name or None, int(ahead), None if int(tagged) < 0 else int(tagged))
+        names = taken.decode() if isinstance(taken, bytes) else str(taken)
+        return Taken(tuple(names.split("\n")) if names else (), int(ahead),
+                     None if int(tagged) < 0 else int(tagged))
 
     async def give_back(self, backend: str) -> None:
         await self._pipes.call(self._give_back, _KEYS, [self.process, backend])

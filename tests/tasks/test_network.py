@@ -248,3 +248,40 @@ async def test_models_list_both_modes_and_the_network_price(gateway: Any, simula
         assert large["network_price"]["completion_per_1k_tokens"] == 5000
     finally:
         await redis.aclose()
+
+
+async def test_network_replicas_wait_for_their_slots_together(
+        gateway: Any, simulator: Any, clean_redis: Any) -> None:
+    """Engines that run one request at a time and refuse a second: a network request sent
+    while a direct one runs on one of its replicas waits in the gateway's queue until both
+    replicas have a slot at once, then runs on both (before the dispatcher it got 503, its
+    replicas picked before any slot was free); neither engine ever sees two."""
+    sims = [await simulator("vllm", (LARGE,), ttft_ms=300, max_concurrency=1, max_queued=1)
+            for _ in range(2)]
+    backends = [{**backend(name, sim, LARGE, modes), "max_concurrency": 1}
+                for name, sim, modes in (("large-a", sims[0], ["direct", "network"]),
+                                         ("large-b", sims[1], ["network"]))]
+    gw = await gateway(*backends, policies={"prices.toml": PRICES, "tiers.toml": TIERS})
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        key = await new_key(clean_redis.url, "max", account="acct-net")
+        await Ledger(redis).credit("acct-net", 10**9, {"reason": "test"})
+        headers = {"X-API-Key": key}
+        direct = asyncio.create_task(post(gw, {"model": LARGE, "messages": HELLO,
+                                               "mode": "direct"}, headers))
+        await asyncio.sleep(0.1)
+        network = await post(gw, {"model": LARGE, "messages": HELLO, "mode": "network"},
+                             headers)
+        assert network[0] == 200, network[2]
+        assert (await direct)[0] == 200
+        records = []
+        async with aiohttp.ClientSession() as session:
+            for sim in sims:
+                async with session.get(sim.make_url("/_sim/requests")) as r:
+                    records.append(await r.json())
+        assert [len(r) for r in records] == [2, 1]  # the direct one, then both replicas
+        assert {r["outcome"] for rs in records for r in rs} == {"completed"}
+        held = await redis.hgetall("igw:{slots}:total")
+        assert not held  # every slot given back
+    finally:
+        await redis.aclose()

@@ -218,26 +218,26 @@ async def test_a_crashed_process_gives_its_slots_back(clean_redis: RedisProcess)
     crashed, alive = SlotLedger(redis), SlotLedger(redis)
     try:
         await crashed.beat()
-        assert await crashed.take("pool", 3, (), "m", [("b0", 1)]) == Taken("b0", 0, 0)
+        assert await crashed.take("pool", 3, (), "m", [("b0", 1)]) == Taken(("b0",), 0, 0)
         # A second Max request waits in the crashed process (its longest wait: 0.3 s).
         assert await crashed.take("pool", 3, (), "m", [("b0", 1)], member=crashed.member(),
-                                  wait_s=0.3, most_ahead=5) == Taken(None, 0, 1)
+                                  wait_s=0.3, most_ahead=5) == Taken((), 0, 1)
         await alive.beat()
         # Not yet lapsed: full, and a Basic request learns one waits ahead of it (refused:
         # it may find none ahead).
-        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken(None, 1, None)
+        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken((), 1, None)
         await alive.beat(now=time.time() + LAPSE_S + 1)
         assert await alive.in_flight() == {}  # the crashed process's slot is back
         # Its waiter still comes first until its longest wait (and a second's margin) ends.
-        assert (await alive.take("pool", 1, (3,), "b", [("b0", 1)])).backend is None
+        assert (await alive.take("pool", 1, (3,), "b", [("b0", 1)])).backends == ()
         await asyncio.sleep(1.4)
-        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken("b0", 0, 0)
+        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken(("b0",), 0, 0)
         await alive.give_back("b0")
         await alive.give_back("b0")  # a second give-back finds nothing to give
         assert await alive.in_flight() == {}
         # Every gateway stopped at once while holding a slot, and the alive hash expired:
         # the first beat after the restart gives it back.
-        assert (await crashed.take("pool", 3, (), "m", [("b0", 1)])).backend == "b0"
+        assert (await crashed.take("pool", 3, (), "m", [("b0", 1)])).backends == ("b0",)
         await redis.delete("igw:{slots}:alive")
         restarted = SlotLedger(redis)
         await restarted.beat()
@@ -260,24 +260,24 @@ async def test_the_ledger_gives_turns_by_account_across_processes(
     one, other = SlotLedger(redis), SlotLedger(redis)
     slot = [("b0", 1)]
     try:
-        assert await one.take("pool", 1, (), "heavy", slot) == Taken("b0", 0, 0)
+        assert await one.take("pool", 1, (), "heavy", slot) == Taken(("b0",), 0, 0)
         backlog = [one.member() for _ in range(3)]
         for tag, member in enumerate(backlog, start=1):
             assert await one.take("pool", 1, (), "heavy", slot, member=member, wait_s=30,
-                                  most_ahead=10) == Taken(None, tag - 1, tag)
+                                  most_ahead=10) == Taken((), tag - 1, tag)
         light = other.member()
         assert await other.take("pool", 1, (), "light", slot, member=light, wait_s=30,
-                                most_ahead=10) == Taken(None, 0, 0)
+                                most_ahead=10) == Taken((), 0, 0)
         await one.give_back("b0")
         # Heavy's next asks first, but light's turn (0) comes before its (1).
-        assert await one.turn("pool", 1, (), "heavy", slot, backlog[0], 1) == Taken(None, 1, 1)
-        assert await other.turn("pool", 1, (), "light", slot, light, 0) == Taken("b0", 0, 0)
+        assert await one.turn("pool", 1, (), "heavy", slot, backlog[0], 1) == Taken((), 1, 1)
+        assert await other.turn("pool", 1, (), "light", slot, light, 0) == Taken(("b0",), 0, 0)
         # Three of heavy's wait ahead of a new heavy request: more than the one it may find.
         assert await one.take("pool", 1, (), "heavy", slot, member=one.member(), wait_s=30,
-                              most_ahead=1) == Taken(None, 3, None)
+                              most_ahead=1) == Taken((), 3, None)
         # A new light request's turn (1) ties heavy's first: nobody ahead of it.
         assert await other.take("pool", 1, (), "light", slot, member=other.member(),
-                                wait_s=30, most_ahead=1) == Taken(None, 0, 1)
+                                wait_s=30, most_ahead=1) == Taken((), 0, 1)
         # A heavy waiter that gives up hands its turn back only when it was its last.
         await one.leave("pool", 1, "heavy", backlog[2], 3)
         assert await redis.zscore("igw:{slots}:next:pool|1", "heavy") == 3

@@ -30,6 +30,7 @@ style. A rejected request never reaches an upstream, and nothing runs before its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -223,11 +224,16 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     result = Result()
     response: web.StreamResponse | None = None
     claimed = False
+    dispatcher = app[UPSTREAMS].dispatcher
+    early: Early | None = None
     try:  # entered before the first await that can place a hold or a claim
         replay = await _acquire(request, claim, principal, tier)
         if replay is not None:
             return replay  # the first result again: nothing run, nothing held
         claimed = claim is not None  # ours from here, whatever happens to this request
+        if mode == "direct" and not job.async_ and family.early_slot(job):
+            early = dispatcher.start(pool, ctx.ticket, None)  # beside admission's round trip
+            ctx = dataclasses.replace(ctx, early=early)
         request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
         task_id = ids.task_id(mode)
         if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
@@ -254,6 +260,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         result.status = Outcome.CLIENT_GONE
         raise
     finally:
+        dispatcher.forget(early)  # a slot taken early and never used goes back
         _settle(request, meter, result)
         if claimed and claim is not None:
             _keep_or_release(request, claim, result, response, policies)

@@ -22,6 +22,7 @@ from proxy.credits.pricing import Units
 from proxy.errors import validation_failed
 from proxy.http.body import read_json
 from proxy.upstream.client import Upstreams
+from proxy.upstream.dispatch import Early
 from proxy.upstream.fetch import MediaFetcher
 from proxy.upstream.pool import Pool
 from proxy.upstream.queue import Ticket
@@ -34,8 +35,9 @@ from proxy.validate import RequestInvalid
 class Ctx:
     """What the work after admission needs, with or without a client connection: the worker's
     long-lived objects, the one policy snapshot the request runs under, the request id (sent
-    upstream), the client's headers (backends' `forward_headers` pick from them), and its
-    place in the queue for an engine slot (proxy.upstream.dispatch)."""
+    upstream), the client's headers (backends' `forward_headers` pick from them), its place
+    in the queue for an engine slot (proxy.upstream.dispatch), and the slot taken while it
+    was admitted, for its first upstream call."""
 
     policies: Policies
     router: Router
@@ -44,6 +46,7 @@ class Ctx:
     request_id: str
     client_headers: Mapping[str, str]
     ticket: Ticket | None = None
+    early: Early | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +91,12 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def model(self, job: Job, policies: Policies) -> str | None:
         """The model it names (or the default); None when a provider's pool decides."""
+
+    def early_slot(self, job: Job) -> bool:
+        """Whether the upstream call follows admission at once, so its engine slot is taken
+        beside admission's round trip (not when media must be fetched first: the slot would
+        idle through the download)."""
+        return True
 
     def pool(self, router: Router, job: Job, policies: Policies, mode: str = "direct") -> Pool:
         """The backends that serve it in `mode`; 404 for a model no backend serves (so)."""

@@ -77,7 +77,8 @@ class Generation(Family):
             return Answer(raw, content_type, used)
 
         return await ctx.upstreams.call(pool, self.path, lambda b: body, headers,
-                                        ctx.client_headers, use, ticket=ctx.ticket)
+                                        ctx.client_headers, use, ticket=ctx.ticket,
+                                        early=ctx.early)
 
 
 IMAGE = Generation("image", "/v1/images/generations")

@@ -74,7 +74,8 @@ class SpeechSynthesis(Family):
                                                     speech.speed))
 
             pieces.append(await ctx.upstreams.call(pool, tts.SPEECH_PATH, body_for, headers,
-                                                   ctx.client_headers, use, ticket=ctx.ticket))
+                                                   ctx.client_headers, use, ticket=ctx.ticket,
+                                                   early=ctx.early))
         audio = pieces[0] if len(pieces) == 1 else join_speech(pieces)
         used = Units(characters=min(len(req.text) + sample_chars, job.worst.characters))
         if speech.response_format == "pcm":  # OpenAI's raw 16-bit mono 24 kHz

@@ -53,6 +53,10 @@ class SpeechRecognition(Family):
     def model(self, job: Job, policies: Policies) -> str | None:
         return job.model or policies.requests.asr.default_model
 
+    def early_slot(self, job: Job) -> bool:
+        upload: bytes | None = job.request.upload
+        return upload is not None  # audio_url: fetched first
+
     async def produce(self, ctx: Ctx, job: Job, pool: Pool) -> Answer:
         job_: Transcription = job.request
         req = job_.req
@@ -98,7 +102,7 @@ class SpeechRecognition(Family):
 
         return await ctx.upstreams.call(
             pool, lambda b: asr.upstream_path(req, b.spec.api), lambda b: forms[b.spec.api],
-            headers, ctx.client_headers, use, ticket=ctx.ticket)
+            headers, ctx.client_headers, use, ticket=ctx.ticket, early=ctx.early)
 
 
 class OpenAITranscription(SpeechRecognition):

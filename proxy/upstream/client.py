@@ -132,9 +132,9 @@ class Upstreams:
 
         The backend comes from the dispatcher (proxy.upstream.dispatch): with a slot held for
         this request, waiting in `ticket`'s place in the queue while the pool has none free
-        (`early`: the one taken while the request was admitted).
+        (`early`: the one taken while the request was admitted, for its first call).
         """
-        backend = await (early.take() if early is not None
+        backend = await (early.take() if early is not None and not early.used
                          else self.dispatcher.acquire(pool, ticket, prompt=prompt))
         retried = False
         while True:

@@ -369,7 +369,8 @@ class Dispatcher:
 
     def _shed(self, pool: Pool, ticket: Ticket, ahead: int, reason: str) -> GatewayError:
         self.metrics.shed(pool.model, ticket.tier, reason)
-        return _saturated(pool, ticket, self._drain(pool).wait_s(ahead, _slots(pool)))
+        return _saturated(pool, ticket, self._drain(pool).wait_s(ahead, _slots(pool)),
+                          waited=reason == "waited")
 
     def _local_turns(self, pool: Pool, ticket: Ticket) -> Turns:
         return self._turns.setdefault((pool.key, ticket.priority), Turns())
@@ -417,10 +418,13 @@ def _slots(pool: Pool) -> int:
     return sum(b.spec.max_concurrency for b in pool.backends if b.healthy) or 1
 
 
-def _saturated(pool: Pool, ticket: Ticket, wait_s: float) -> GatewayError:
+def _saturated(pool: Pool, ticket: Ticket, wait_s: float, *, waited: bool) -> GatewayError:
+    """503 with the expected wait from now as Retry-After."""
     retry = max(1, min(300, math.ceil(wait_s)))
+    why = (f"waited its longest {ticket.max_wait_s:g} s for a slot" if waited else
+           f"would wait about {wait_s:.1f} s for a slot, longer than its "
+           f"{ticket.max_wait_s:g} s")
     return GatewayError(
         ErrorKind.POOL_SATURATED,
-        f"model {pool.model!r} is busy: tier {ticket.tier!r} would wait about {wait_s:.1f} s "
-        f"for a slot, longer than its {ticket.max_wait_s:g} s; retry in {retry} s",
+        f"model {pool.model!r} is busy: tier {ticket.tier!r} {why}; retry in {retry} s",
         headers={"Retry-After": str(retry)})

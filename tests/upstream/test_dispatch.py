@@ -392,3 +392,33 @@ async def test_speech_requests_get_slots_and_tier_order_too(
     assert seen[1] == "max", seen
     # One at a time: the server refuses a second one in flight, and it never had to.
     assert {r["outcome"] for r in records} == {"completed"}
+
+
+async def test_a_speech_request_refused_at_admission_gives_its_early_slot_back(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """Families take their slot beside admission's round trip, as chat does: one refused
+    there (no credits: 402) gives it back, and the server never hears of it."""
+    sim = await simulator("tts", models=(TTS_MODEL,), max_concurrency=1)
+    gw = await gateway({"name": "tts0", "kind": "tts", "url": str(sim.make_url("/")).rstrip("/"),
+                        "models": [TTS_MODEL], "max_concurrency": 1},
+                       policies={"tiers.toml": tiers(families='"chat", "tts"'),
+                                 "prices.toml": PRICES})
+    broke = await new_key(clean_redis.url, "basic", account="acct-broke")  # no credits
+    [paying] = await keys(clean_redis.url, ("basic", "acct-paying"))
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for key, status in ((broke, 402), (broke, 402), (paying, 200)):
+                async with s.post(gw.make_url("/v2/audio/tts/engine"),
+                                  headers={"X-API-Key": key},
+                                  json={"text": "hello", "preset_voice": "Emma"}) as r:
+                    await r.read()
+                    assert r.status == status
+        async with asyncio.timeout(5):
+            while await redis.hgetall("igw:{slots}:total"):
+                await asyncio.sleep(0.02)
+        assert len(await sim_requests(sim)) == 1
+    finally:
+        await redis.aclose()

@@ -147,7 +147,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         if mode == "direct" and not call.async_:  # its slot's round trip beside admission's
             early = dispatcher.start(pool, ctx.ticket,
                                      chat_family.affinity(pool, call, request.headers))
-        request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
+        request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers(style.name)
         task_id = ids.task_id(mode)
         if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
             response = await submit(ctx, app[TASKS], meter, route=f"chat:{style.name}",

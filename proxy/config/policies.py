@@ -176,6 +176,11 @@ class TierPolicy(Section, frozen=True):
     models: dict[str, list[Mode]]
     # Largest completion a request may ask for; a request that names none gets this as its cap.
     max_tokens_per_request: Annotated[int, msgspec.Meta(ge=1, le=128_000)] | None = None
+    # Chat tokens (prompt + completion) in any minute and any day, across every gateway; a
+    # request reserves its worst case at admission and the engine's count replaces it at
+    # settlement. Unset: no token limit.
+    tokens_per_minute: Annotated[int, msgspec.Meta(ge=1, le=10**10)] | None = None
+    tokens_per_day: Annotated[int, msgspec.Meta(ge=1, le=10**12)] | None = None
     # When Redis is unreachable: "open" admits up to the per-process fallback rate, "closed"
     # answers 503 with Retry-After.
     store_down: Literal["open", "closed"] = "open"
@@ -206,9 +211,11 @@ def _default_tiers() -> dict[str, TierPolicy]:
     return {
         "guest": TierPolicy(requests_per_minute=3, families=_ALL_FAMILIES,
                             models={ANY_GROUP: _BOTH_MODES}, max_tokens_per_request=512,
+                            tokens_per_minute=6_000, tokens_per_day=60_000,
                             fallback_requests_per_minute=1, priority=0, max_queue_wait_s=2),
         "basic": TierPolicy(requests_per_minute=20, families=["chat", "tts", "asr"],
-                            models=basic, priority=1, max_queue_wait_s=5),
+                            models=basic, tokens_per_minute=100_000,
+                            tokens_per_day=1_000_000, priority=1, max_queue_wait_s=5),
         "pro": TierPolicy(requests_per_minute=60, families=["chat", "tts", "asr", "image"],
                           models=pro, priority=2, max_queue_wait_s=15),
         "max": TierPolicy(requests_per_minute=130, families=_ALL_FAMILIES,

@@ -84,6 +84,15 @@ class AccountKeys:
     def window(self, tier: str) -> str:
         return self.balance[:-3] + f"rl:{tier}"
 
+    def tokens(self, tier: str) -> list[str]:
+        """The tier's token windows: minute buckets and their index, day buckets and theirs."""
+        base = self.balance[:-3] + f"tk:{tier}:"
+        return [base + "m", base + "mb", base + "d", base + "db"]
+
+    def reservation(self, request_id: str) -> str:
+        """What a request reserved in the token windows, until its settlement."""
+        return self.balance[:-3] + f"tkr:{request_id}"
+
 
 @dataclass(frozen=True, slots=True)
 class Balance:
@@ -135,6 +144,7 @@ class Ledger:
         # register_script: EVALSHA, reloading the script on NOSCRIPT (e.g. after a restart).
         self.admit_script = redis.register_script(lua_script("admit"))
         self.settle_script = redis.register_script(lua_script("settle"))
+        self.tokens_script = redis.register_script(lua_script("tokens"))
         self._credit = redis.register_script(lua_script("credit"))
         self._sweep = redis.register_script(lua_script("sweep"))
         self._forget = redis.register_script(lua_script("forget"))
@@ -162,9 +172,10 @@ class Ledger:
         hold_id = new_hold_id()
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
-        status, _, _, available = await self.admit_script(
-            keys=[keys.window("none"), keys.balance, keys.holds, keys.hold_expiry],
-            args=[0, 0, hold_id, amount, ttl_s, ""])
+        status, _, _, available, _, _ = await self.admit_script(
+            keys=[keys.window("none"), *keys.tokens("none"), keys.reservation(hold_id),
+                  keys.balance, keys.holds, keys.hold_expiry],
+            args=[0, 0, hold_id, amount, ttl_s, "", 0, 0, 0])
         if status != 1:
             raise InsufficientCredits(int(available), amount)
         return hold_id

@@ -1,8 +1,9 @@
 """One request's money, in one object with one lifecycle:
 
     Metering.chat / .units   open: the worst case priced (guests hold nothing)
-    Meter.admit              the rate limit counted and the hold placed, one Redis step
-                             (credits.admission): 429, 402 or 503 when it may not run
+    Meter.admit              the rate limit counted, the token limits' reservation (chat) and
+                             the hold placed, one Redis step (credits.admission): 429, 402 or
+                             503 when it may not run
     Meter.handed_off         an async task took the hold over: its runner settles it
     Meter.settle(result)     the charge for what was used, queued exactly once
 
@@ -32,6 +33,7 @@ from proxy.credits.pricing import (
     Units,
     chat_cost,
     chat_hold,
+    chat_tokens,
     format_credits,
     prompt_upper_bound,
     units_cost,
@@ -115,7 +117,9 @@ class Metering:
         on the prompt; it is charged the tokens used."""
         rates = prices.for_model(model, mode)
         worst = chat_hold(rates, body, cap) if principal.kind != "guest" else 0
-        return self._open(prices, rates, principal, model, mode, route, request_id, worst, body)
+        meter = self._open(prices, rates, principal, model, mode, route, request_id, worst, body)
+        meter.tokens = chat_tokens(body, cap)
+        return meter
 
     def units(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
               route: str, request_id: str, worst: Units) -> Meter:
@@ -162,6 +166,7 @@ class Meter:
     hold: Hold | None  # None for guests
     chat_body: dict[str, Any] | None  # chat: priced by tokens (the body bounds a cut prompt)
     stage: Stage = Stage.BEFORE
+    tokens: int = 0  # chat: its worst case in the tier's token windows
     started: float = field(default_factory=time.monotonic)
     charged: tuple[int, dict[str, int]] | None = None  # (cost, units) of the settlement queued
     _settled: bool = False
@@ -171,8 +176,9 @@ class Meter:
         principal = self.principal
         self.stage = Stage.ADMITTING
         try:
-            window = await self.metering.admitter.admit(principal, principal.tier, tier,
-                                                        self.hold)
+            window = await self.metering.admitter.admit(
+                principal, principal.tier, tier, self.hold, tokens=self.tokens,
+                request_id=str(self.details["request_id"]))
         except InsufficientCredits as exc:
             self.stage = Stage.REFUSED
             raise GatewayError(
@@ -185,6 +191,8 @@ class Meter:
                 self.stage = Stage.REFUSED
             raise
         self.stage = Stage.ADMITTED
+        if self.tokens and window.tokens_limit:  # settled in its windows (and by a runner)
+            self.details["tokens_held"] = self.tokens
         return window
 
     def handed_off(self) -> None:
@@ -217,6 +225,10 @@ class Meter:
             keep, ttl)
         metering = self.metering
         metering.settler.settle(metering.script, keys, args)
+        if self.details.get("tokens_held"):
+            metering.admitter.settle_tokens(
+                self.principal, self.principal.tier, str(self.details["request_id"]),
+                units.get("prompt_tokens", 0) + units.get("completion_tokens", 0))
         self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing
         metering.metrics.settled(self.model, self.principal.tier, *self.charged)
         return self.charged

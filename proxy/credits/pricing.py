@@ -59,6 +59,14 @@ def chat_hold(rates: Rates, body: dict[str, Any], max_tokens: int) -> int:
     return -(-exact // 1000)
 
 
+def chat_tokens(body: dict[str, Any], max_tokens: int) -> int:
+    """The most tokens a chat request can use: a bound on its prompt, and its cap for each of
+    its `n` choices (what the tier's token limits reserve at admission)."""
+    choices = body.get("n")
+    n = choices if isinstance(choices, int) and choices > 0 else 1
+    return prompt_upper_bound(body) + max_tokens * n
+
+
 def prompt_upper_bound(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     count = len(messages) if isinstance(messages, list) else 0

@@ -1,7 +1,18 @@
--- One admission, atomically: the rate limit and, when a hold id is given, the credit hold.
--- The limit is a sliding log: at most LIMIT requests in any WINDOW ms, one sorted-set member per
--- admitted request (scored by Redis' own clock, so every worker and host agrees on the time).
--- A request refused by the limit counts nothing; one refused for credits has been counted.
+-- One admission, atomically: the rate limit, the token limits and, when a hold id is given, the
+-- credit hold. The request limit is a sliding log: at most LIMIT requests in any WINDOW ms, one
+-- sorted-set member per admitted request (scored by Redis' own clock, so every worker and host
+-- agrees on the time). A request refused by a limit counts nothing; one refused for credits has
+-- been counted (requests, not tokens).
+--
+-- The token limits (tokens a minute, tokens a day) count what requests may use: a request
+-- reserves its worst case (an upper bound of its prompt plus its completion cap) at admission,
+-- and its settlement (tokens.lua) puts the engine's count in its place. Each window is a hash
+-- of buckets (1 s for the minute, 5 min for the day: bucket -> tokens, bucket..'r' -> the part
+-- still reserved by requests in flight, 't' and 'r' their totals) and a zset of its buckets. A
+-- window keeps one bucket more than it spans, so it never holds less than the exact sliding
+-- window would (it may refuse a little early, never admit over the limit). What this request
+-- reserved, and where, is kept under its own key until its settlement, so a settlement is
+-- applied once.
 --
 -- Windows and holds are soft state: neither written to the AOF nor replicated, so admission
 -- never waits for an fsync. A Redis crash forgets them: the windows restart, and a request that
@@ -11,50 +22,132 @@
 -- Holds are tagged with this Redis process's run id, and those another process placed are
 -- forgotten first (soft_state.lua, prepended).
 --
--- KEYS: window zset, balance hash, holds hash, hold expiry zset (all under the account's tag)
+-- KEYS: request window zset, minute tokens hash, its buckets zset, day tokens hash, its buckets
+--   zset, this request's reservation (all under the account's tag), then, with a hold: balance
+--   hash, holds hash, hold expiry zset
 -- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s, this Redis
---   process's run id (the connection's; '' to ask the server)
--- Returns {status, remaining, reset ms, available}: status 1 admitted, 0 rate limited,
---   2 insufficient credits, 3 hold id already used. remaining is -1 without a limit.
+--   process's run id (the connection's; '' to ask the server), tokens to reserve, tokens a
+--   minute (0: no limit), tokens a day (0: no limit)
+-- Returns {status, remaining, reset ms, available, tokens remaining this minute (-1: no limit),
+--   tokens reset ms}: status 1 admitted, 0 rate limited, 2 insufficient credits, 3 hold id
+--   already used, 4 token limited (reset -1: the request alone is over the limit). remaining
+--   is -1 without a limit.
 local run, holds
 if ARGV[3] ~= '' then
   run = this_run(ARGV[6])
-  holds = forget_stale_holds(KEYS[2], KEYS[3], KEYS[4], run)
+  holds = forget_stale_holds(KEYS[7], KEYS[8], KEYS[9], run)
 end
 redis.set_repl(redis.REPL_NONE)
 local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local now_s = tonumber(now[1])
+local now_ms = now_s * 1000 + math.floor(tonumber(now[2]) / 1000)
 local limit = tonumber(ARGV[1])
 local remaining, reset = -1, 0
+local count = 0
 if limit > 0 then
   local window = tonumber(ARGV[2])
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - window)
-  local count = redis.call('ZCARD', KEYS[1])
+  count = redis.call('ZCARD', KEYS[1])
   if count >= limit then
     local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-    return {0, 0, tonumber(oldest[2]) + window - now_ms, 0}
+    return {0, 0, tonumber(oldest[2]) + window - now_ms, 0, -1, 0}
   end
+end
+
+-- The token windows: {limit, bucket size s, buckets spanned, hash, zset}.
+local tokens = tonumber(ARGV[7])
+local windows = {}
+if tonumber(ARGV[8]) > 0 then
+  windows[#windows + 1] = {tonumber(ARGV[8]), 1, 60, KEYS[2], KEYS[3]}
+end
+if tonumber(ARGV[9]) > 0 then
+  windows[#windows + 1] = {tonumber(ARGV[9]), 300, 288, KEYS[4], KEYS[5]}
+end
+local tokens_left, tokens_reset = -1, 0
+if tokens > 0 then
+  for i, w in ipairs(windows) do
+    local cap, size, span, h, z = w[1], w[2], w[3], w[4], w[5]
+    local bucket = math.floor(now_s / size)
+    local old = redis.call('ZRANGEBYSCORE', z, '-inf', '(' .. (bucket - span))
+    for _, b in ipairs(old) do  -- buckets that left the window take their tokens with them
+      redis.call('HINCRBY', h, 't', -tonumber(redis.call('HGET', h, b) or '0'))
+      redis.call('HINCRBY', h, 'r', -tonumber(redis.call('HGET', h, b .. 'r') or '0'))
+      redis.call('HDEL', h, b, b .. 'r')
+    end
+    if #old > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. (bucket - span)) end
+    local total = tonumber(redis.call('HGET', h, 't') or '0')
+    if total + tokens > cap then
+      local unspent = limit > 0 and (limit - count) or -1
+      if tokens > cap then return {4, unspent, 0, 0, math.max(0, cap - total), -1} end
+      -- When enough of the window's tokens have left it; sooner when what is reserved by
+      -- requests in flight would make room once they settle (they usually use less).
+      local need, freed, at = total + tokens - cap, 0, 0
+      local live = redis.call('ZRANGE', z, 0, -1)
+      for _, b in ipairs(live) do
+        freed = freed + tonumber(redis.call('HGET', h, b) or '0')
+        if freed >= need then
+          at = (tonumber(b) + span + 1) * size * 1000 - now_ms
+          break
+        end
+      end
+      local reserved = tonumber(redis.call('HGET', h, 'r') or '0')
+      if reserved >= need then at = math.min(at, 1000) end
+      return {4, unspent, 0, 0, math.max(0, cap - total), math.max(at, 1)}
+    end
+    w[6] = bucket
+    if i == 1 then tokens_left, tokens_reset = cap - total - tokens, 0 end
+  end
+  for _, w in ipairs(windows) do
+    local h, z, b = w[4], w[5], w[6]
+    redis.call('HINCRBY', h, b, tokens)
+    redis.call('HINCRBY', h, b .. 'r', tokens)
+    redis.call('HINCRBY', h, 't', tokens)
+    redis.call('HINCRBY', h, 'r', tokens)
+    redis.call('ZADD', z, b, b)
+    redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)
+    redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
+  end
+  if #windows > 0 then
+    local minute = windows[1][2] == 1 and windows[1][6] or ''
+    local day = windows[#windows][2] == 300 and windows[#windows][6] or ''
+    redis.call('SET', KEYS[6], tokens .. ':' .. minute .. ':' .. day, 'EX', 86700)
+  end
+end
+
+if limit > 0 then
   local member = now[1] .. '.' .. now[2]
   while redis.call('ZADD', KEYS[1], 'NX', now_ms, member) == 0 do member = member .. '+' end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   remaining = limit - count - 1
-  reset = tonumber(oldest[2]) + window - now_ms
+  reset = tonumber(oldest[2]) + tonumber(ARGV[2]) - now_ms
 end
-if ARGV[3] == '' then return {1, remaining, reset, 0} end
+if ARGV[3] == '' then return {1, remaining, reset, 0, tokens_left, tokens_reset} end
 -- Every redis.call costs about a microsecond warm and several on a busy core, so the common
 -- path is written in as few as it takes: the hold is claimed and the amount taken first, and
 -- both are given back in the rare refusal (no one sees the difference: the script is atomic).
 -- Figures go as the strings they came in where they can (Lua formats a number with sprintf).
 local amount = tonumber(ARGV[4])
-if redis.call('HSETNX', KEYS[3], ARGV[3], ARGV[4]) == 0 then return {3, remaining, reset, 0} end
-local left = redis.call('HINCRBY', KEYS[2], 'available', 0 - amount)  -- never -0
-if left < 0 then
-  redis.call('HINCRBY', KEYS[2], 'available', ARGV[4])
-  redis.call('HDEL', KEYS[3], ARGV[3])
-  return {2, remaining, reset, left + amount}
+if redis.call('HSETNX', KEYS[8], ARGV[3], ARGV[4]) == 0 then
+  return {3, remaining, reset, 0, tokens_left, tokens_reset}
 end
-redis.call('HINCRBY', KEYS[2], 'held', ARGV[4])
-redis.call('ZADD', KEYS[4], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
-if holds ~= 'kept' then redis.call('HSET', KEYS[3], '@run', run) end  -- the first hold here
-return {1, remaining, reset, left}
+local left = redis.call('HINCRBY', KEYS[7], 'available', 0 - amount)  -- never -0
+if left < 0 then
+  redis.call('HINCRBY', KEYS[7], 'available', ARGV[4])
+  redis.call('HDEL', KEYS[8], ARGV[3])
+  if tokens > 0 then  -- it will not run: its tokens were never used
+    for _, w in ipairs(windows) do
+      local h, b = w[4], w[6]
+      redis.call('HINCRBY', h, b, -tokens)
+      redis.call('HINCRBY', h, b .. 'r', -tokens)
+      redis.call('HINCRBY', h, 't', -tokens)
+      redis.call('HINCRBY', h, 'r', -tokens)
+    end
+    redis.call('DEL', KEYS[6])
+  end
+  return {2, remaining, reset, left + amount, tokens_left, tokens_reset}
+end
+redis.call('HINCRBY', KEYS[7], 'held', ARGV[4])
+redis.call('ZADD', KEYS[9], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
+if holds ~= 'kept' then redis.call('HSET', KEYS[8], '@run', run) end  -- the first hold here
+return {1, remaining, reset, left, tokens_left, tokens_reset}

@@ -1,0 +1,150 @@
+"""Token limits (tiers.toml tokens_per_minute / tokens_per_day) through a real gateway, a real
+Redis and a vLLM simulator: concurrent requests never reserve past the limit, settlements put
+the engine's count in place of the reservation, the headers the official clients read, and
+the real openai client retrying through a token limit."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+from redis.asyncio import Redis
+
+from proxy.credits.ledger import AccountKeys
+from proxy.credits.pricing import chat_tokens
+from tests.support.accounts import funded_key, new_key
+from tests.support.config_files import MODEL
+from tests.support.gateway import GatewayFactory, settled
+from tests.support.redis_servers import RedisProcess
+from tests.support.upstreams import SimulatorFactory
+
+CHAT = "/v2/compat/v1/chat/completions"
+LIMIT = 600
+TIERS = f"""
+[tiers.guest]
+requests_per_minute = 1000
+families = ["chat"]
+models = {{ "*" = ["direct"] }}
+tokens_per_minute = {LIMIT}
+
+[tiers.basic]
+requests_per_minute = 1000
+families = ["chat"]
+models = {{ "*" = ["direct"] }}
+tokens_per_minute = {LIMIT}
+tokens_per_day = 100000
+"""
+
+
+def body(max_tokens: int, text: str = "Hello!") -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": text}]}
+
+
+async def basic_key(redis_url: str, account: str) -> str:
+    await funded_key(redis_url, account=account)  # credits for the account
+    return await new_key(redis_url, "basic", account=account)
+
+
+async def post(gw: Any, payload: dict[str, Any], key: str | None = None, path: str = CHAT
+               ) -> tuple[int, dict[str, str], Any]:
+    headers = {"X-API-Key": key} if key else {}
+    async with aiohttp.ClientSession() as s, s.post(gw.make_url(path), json=payload,
+                                                    headers=headers) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+async def window(redis: Redis, account: str) -> dict[str, int]:
+    minute = await redis.hgetall(AccountKeys.of(account).tokens("basic")[0])
+    return {k.decode(): int(v) for k, v in minute.items()}
+
+
+async def test_concurrent_requests_never_pass_the_limit_and_settle_to_the_engines_count(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    sim = await simulator(ttft_ms=300, default_completion_tokens=16)
+    gw = await gateway(sim, policies={"tiers.toml": TIERS})
+    key = await basic_key(clean_redis.url, "acct-tpm")
+    reserve = chat_tokens(body(100), 100)
+    done = await asyncio.gather(*(post(gw, body(100), key) for _ in range(10)))
+    served = [answer for status, _, answer in done if status == 200]
+    refused = [(headers, answer) for status, headers, answer in done if status == 429]
+    assert len(served) + len(refused) == 10
+    assert len(served) == LIMIT // reserve  # as many as their worst cases fit, no more
+    for headers, answer in refused:
+        assert answer["error"]["type"] == "rate_limited"
+        assert "tokens a minute" in answer["error"]["message"]
+        # Room is only reserved by requests in flight: worth a retry within a second.
+        assert 0 < int(headers["retry-after-ms"]) <= 1000 and headers["Retry-After"] == "1"
+        assert headers["x-ratelimit-limit-tokens"] == str(LIMIT)
+    await settled(gw)
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        async with asyncio.timeout(5):  # the corrections land in the background
+            while (counts := await window(redis, "acct-tpm")).get("r", 0):
+                await asyncio.sleep(0.02)
+        used = sum(a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] for a in served)
+        assert counts["t"] == used  # the engine's count, not the reservations
+        assert not [k async for k in redis.scan_iter("igw:{acct-tpm}:tkr:*")]
+    finally:
+        await redis.aclose()
+    # With the reservations gone, what the engine counted is all the window holds: as many
+    # worst cases as fit beside it get through, and no more.
+    room = (LIMIT - used) // reserve
+    again = await asyncio.gather(*(post(gw, body(100), key) for _ in range(room + 2)))
+    assert sorted(status for status, _, _ in again) == [200] * room + [429] * 2
+
+
+async def test_the_headers_clients_read_and_a_request_that_can_never_fit(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    sim = await simulator()
+    gw = await gateway(sim, policies={"tiers.toml": TIERS})
+    key = await basic_key(clean_redis.url, "acct-headers")
+    status, headers, _ = await post(gw, body(50), key)
+    assert status == 200
+    reserve = chat_tokens(body(50), 50)
+    assert headers["x-ratelimit-limit-requests"] == "1000"
+    assert headers["x-ratelimit-remaining-requests"] == "999"
+    assert headers["x-ratelimit-limit-tokens"] == str(LIMIT)
+    assert headers["x-ratelimit-remaining-tokens"] == str(LIMIT - reserve)
+    assert headers["x-ratelimit-reset-tokens"] == "0s"
+    async with anthropic.AsyncAnthropic(base_url=str(gw.make_url("/v2/messages")), api_key=key,
+                                        max_retries=0) as claude:
+        raw = await claude.messages.with_raw_response.create(
+            model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "Hello!"}])
+    assert raw.headers["anthropic-ratelimit-tokens-limit"] == str(LIMIT)
+    assert int(raw.headers["anthropic-ratelimit-tokens-remaining"]) < LIMIT - reserve
+    assert raw.headers["anthropic-ratelimit-requests-reset"].endswith("Z")
+    # Worst case over the limit by itself: refused, and marked not worth retrying.
+    status, headers, answer = await post(gw, body(LIMIT), key)
+    assert status == 429 and headers["x-should-retry"] == "false"
+    assert "ask for fewer" in answer["error"]["message"]
+    # Guests have their own window per client address, on the same terms.
+    status, headers, _ = await post(gw, body(50))
+    assert status == 200 and headers["x-ratelimit-limit-tokens"] == str(LIMIT)
+
+
+async def test_the_openai_client_retries_through_a_token_limit(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """A long request holds most of the minute's tokens; the official client's call is refused
+    (429, retry-after-ms: the room is only reserved), waits as told, and gets through once the
+    first settles to what it really used."""
+    sim = await simulator(ttft_ms=800, default_completion_tokens=16)
+    gw = await gateway(sim, policies={"tiers.toml": TIERS})
+    key = await basic_key(clean_redis.url, "acct-retry")
+    first = asyncio.create_task(post(gw, body(400), key))
+    await asyncio.sleep(0.2)
+    client = openai.AsyncOpenAI(base_url=str(gw.make_url("/v2/compat/v1")), api_key=key,
+                                max_retries=4)
+    completion = await client.chat.completions.create(
+        model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "Hello!"}])
+    await client.close()
+    assert completion.choices[0].message.content
+    assert (await first)[0] == 200
+    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/metrics")) as r:
+        metrics = await r.text()
+    refused = [line for line in metrics.splitlines()
+               if line.startswith('igw_rate_limited_total{tier="basic"}')]
+    assert refused and float(refused[0].split()[-1]) >= 1  # it was refused, then retried

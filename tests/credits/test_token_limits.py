@@ -83,7 +83,10 @@ async def test_concurrent_requests_never_pass_the_limit_and_settle_to_the_engine
     redis = Redis.from_url(clean_redis.url)
     try:
         async with asyncio.timeout(5):  # the corrections land in the background
-            while (counts := await window(redis, "acct-tpm")).get("r", 0):
+            while True:
+                counts = await window(redis, "acct-tpm")
+                if not counts.get("r", 0):
+                    break
                 await asyncio.sleep(0.02)
         used = sum(a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] for a in served)
         assert counts["t"] == used  # the engine's count, not the reservations
@@ -148,3 +151,34 @@ async def test_the_openai_client_retries_through_a_token_limit(
     refused = [line for line in metrics.splitlines()
                if line.startswith('igw_rate_limited_total{tier="basic"}')]
     assert refused and float(refused[0].split()[-1]) >= 1  # it was refused, then retried
+
+
+async def test_an_async_request_settles_its_tokens_in_the_runner(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """The reservation goes with the task: the worker that runs it puts the engine's count in
+    its place."""
+    sim = await simulator(default_completion_tokens=16)
+    gw = await gateway(sim, policies={"tiers.toml": TIERS})
+    key = await basic_key(clean_redis.url, "acct-async")
+    status, _, task = await post(gw, {**body(100), "async": True}, key)
+    assert status == 202
+    async with asyncio.timeout(15), aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(gw.make_url(task["poll_url"]), headers={"X-API-Key": key}) as r:
+                record = await r.json()
+            if record["status"] != "running":
+                break
+            await asyncio.sleep(0.05)
+    assert record["status"] == "completed", record
+    usage = record["result"]["usage"]
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        async with asyncio.timeout(5):
+            while True:
+                counts = await window(redis, "acct-async")
+                if not counts.get("r", 0):
+                    break
+                await asyncio.sleep(0.02)
+        assert counts["t"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    finally:
+        await redis.aclose()

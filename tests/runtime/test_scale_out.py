@@ -2,7 +2,8 @@
 mixed load: a real Redis Cluster of three primaries with a replica each, then a primary watched
 by three Sentinels. Each shows, across all three gateways:
 
-- the basic tier's 20 requests a minute hold exactly;
+- the basic tier's 20 requests a minute hold exactly, and the pro tier's 300 tokens a minute:
+  what is reserved never passes the limit, and what settles is the engine's count;
 - a balance every gateway draws on is never over-spent, and reconcile is clean;
 - the primary holding an account is SIGKILLed mid-run, a replica is promoted, and every request
   answered 200 is one charge in the journal (no settled charge lost, none twice);
@@ -46,6 +47,12 @@ models = { "*" = ["direct"] }
 requests_per_minute = {basic}
 families = ["chat"]
 models = { "*" = ["direct"] }
+
+[tiers.pro]
+requests_per_minute = 100000
+families = ["chat"]
+models = { "*" = ["direct"] }
+tokens_per_minute = 300
 
 [tiers.max]
 requests_per_minute = 100000
@@ -146,6 +153,23 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         statuses = Counter(status for status, _ in await asyncio.gather(
             *(ask(urls[n % GATEWAYS], basic) for n in range(30))))
         assert statuses == {200: 20, 429: 10}, statuses
+
+        # The pro tier's tokens a minute, across three gateways x two workers: what the
+        # window holds once everything settled is the engine's count, within the limit.
+        async with aiohttp.ClientSession() as session:
+            tokens = await new_account(session, urls[2], "acct-tokens", "pro", "1000")
+        statuses = Counter(status for status, _ in await asyncio.gather(
+            *(ask(urls[n % GATEWAYS], tokens) for n in range(40))))
+        assert set(statuses) == {200, 429} and statuses[429] > 0, statuses
+        await settled(ledger, "acct-tokens")
+        used = sum(int(e["prompt_tokens"]) + int(e["completion_tokens"])
+                   for e in await charges(ledger, "acct-tokens"))
+        minute = AccountKeys.of("acct-tokens").tokens("pro")[0]
+        deadline = time.monotonic() + 10
+        while int(await redis.hget(minute, "r") or 0):  # corrections land in the background
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert int(await redis.hget(minute, "t") or 0) == used <= 300
 
         # One balance, drawn on by all: holds stop it short of zero; nothing over-spent.
         statuses = Counter(status for status, _ in await asyncio.gather(

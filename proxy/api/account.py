@@ -1,7 +1,8 @@
 """What account holders see of their credits and usage. Both routes count against the caller's
 rate limit like any request (they read the store, so they must not be free to hammer).
 
-    GET  /v2/account        tier, balance (available / held / spent), rate limit left
+    GET  /v2/account        tier, balance (available / held / spent), rate limit left, the
+                            token windows (tokens a minute and a day: limit, used, remaining)
     GET  /v2/account/usage  totals, per model, per day (running totals the settlement keeps), and
                             one page of the journal (`?limit=50&before=<id>`)
 """
@@ -55,6 +56,17 @@ async def account(request: web.Request) -> web.Response:
     except RedisError:
         raise store_unavailable("account store") from None
     limits = request[RESPONSE_HEADERS]
+    tier = snapshot.policies.tiers.tiers.get(principal.tier)
+    tokens: dict[str, Any] = {}
+    if tier is not None and (tier.tokens_per_minute or tier.tokens_per_day):
+        try:
+            minute, day = await request.app[ADMITTER].tokens_used(principal, principal.tier)
+        except RedisError:
+            raise store_unavailable("account store") from None
+        for name, cap, used in (("per_minute", tier.tokens_per_minute, minute),
+                                ("per_day", tier.tokens_per_day, day)):
+            if cap:
+                tokens[name] = {"limit": cap, "used": used, "remaining": max(0, cap - used)}
     return _json({
         "account": principal.account,
         "tier": principal.tier,
@@ -64,6 +76,8 @@ async def account(request: web.Request) -> web.Response:
         "rate_limit": {"limit": int(limits["X-RateLimit-Limit"]),
                        "remaining": int(limits["X-RateLimit-Remaining"]),
                        "reset_s": int(limits["X-RateLimit-Reset"]), "per": "minute"},
+        # chat tokens in the tier's windows (reserved by requests in flight, or used)
+        "token_limits": tokens,
         "price_version": snapshot.policies.prices.version,
     })
 

@@ -82,12 +82,25 @@ class RateLimitView(msgspec.Struct, kw_only=True):
     per: Literal["minute"]
 
 
+class TokenWindow(msgspec.Struct, kw_only=True):
+    limit: int
+    used: Annotated[int, Meta(description="Reserved by requests in flight, or used")]
+    remaining: int
+
+
+class TokenLimitsView(msgspec.Struct, kw_only=True):
+    per_minute: TokenWindow | None = None
+    per_day: TokenWindow | None = None
+
+
 class AccountView(msgspec.Struct, kw_only=True):
     account: str
     tier: str
     key_id: str | None
     balance: Balance
     rate_limit: RateLimitView
+    token_limits: Annotated[TokenLimitsView, Meta(
+        description="The tier's chat token limits (empty when it has none)")]
     price_version: str
 
 

@@ -183,6 +183,21 @@ class Admitter:
         # retried): the hold is ours, placed by the first run.
         return window
 
+    async def tokens_used(self, principal: Principal, tier_name: str) -> tuple[int, int]:
+        """Tokens in the caller's minute and day windows now (reserved by requests in flight
+        or used), read without changing them (for /v2/account)."""
+        keys = AccountKeys.of(principal.account).tokens(tier_name)
+        store = (self._counters if principal.kind == "guest" else self._ledger.primaries).store
+        now = time.time()
+        used = []
+        for hash_key, buckets, size, span in ((keys[0], keys[1], 1, 60),
+                                              (keys[2], keys[3], 300, 288)):
+            live = [bucket for bucket in await store.zrangebyscore(
+                buckets, int(now // size) - span, "+inf") if isinstance(bucket, bytes | str)]
+            counts = await store.hmget(hash_key, live) if live else []
+            used.append(sum(int(c) for c in counts if c is not None))
+        return used[0], used[1]
+
     def settle_tokens(self, principal: Principal, tier_name: str, request_id: str,
                       used: int) -> None:
         """Put the engine's count (`used`) in the place of what `request_id` reserved, in

@@ -124,6 +124,13 @@ async def test_the_headers_clients_read_and_a_request_that_can_never_fit(
     status, headers, answer = await post(gw, body(LIMIT), key)
     assert status == 429 and headers["x-should-retry"] == "false"
     assert "ask for fewer" in answer["error"]["message"]
+    # The account page shows the windows: what requests reserved or used, and what is left.
+    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/v2/account"),
+                                                   headers={"X-API-Key": key}) as r:
+        limits = (await r.json())["token_limits"]
+    minute, day = limits["per_minute"], limits["per_day"]
+    assert minute["limit"] == LIMIT and day["limit"] == 100000
+    assert 0 < minute["used"] == day["used"] and minute["remaining"] == LIMIT - minute["used"]
     # Guests have their own window per client address, on the same terms.
     status, headers, _ = await post(gw, body(50))
     assert status == 200 and headers["x-ratelimit-limit-tokens"] == str(LIMIT)

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.exceptions import RedisError
 
 from proxy.config import Config, ConfigError, load_config
+from proxy.credits.budgets import PERIODS, budgets
 from proxy.credits.ledger import InsufficientCredits, Ledger
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.identity.auth import GUEST_TIER
@@ -81,6 +82,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     _common(reconcile, _credits_reconcile)
     sweep = credit_commands.add_parser("sweep", help="release expired holds now")
     _common(sweep, _credits_sweep)
+    budget = credit_commands.add_parser(
+        "budget", help="set or remove a spend budget that resets each UTC day, week or month")
+    budget.add_argument("--account", required=True)
+    budget.add_argument("--period", required=True, choices=sorted(PERIODS))
+    budget.add_argument("--amount", metavar="CREDITS", help="the cap, e.g. 50 (omit: remove it)")
+    budget.add_argument("--key", metavar="KEY_ID", help="a key's budget (at most its account's)")
+    budget.add_argument("--postpaid", choices=("on", "off"),
+                        help="on: no balance check, the account runs on its budgets alone")
+    _common(budget, _credits_budget)
 
 
 def _common(parser: argparse.ArgumentParser, action: Action) -> None:
@@ -188,7 +198,37 @@ async def _show(args: argparse.Namespace, config: Config, store: KeyStore) -> in
     print(f"account: {view.account}  keys: {len(view.keys)} ({active} active)")
     print(f"credits: available {format_credits(balance.available)}  held "
           f"{format_credits(balance.held)}  spent {format_credits(balance.spent)}")
+    await _print_budgets(Ledger(store.redis), view.account)
     _print_table(view.keys)
+    return EXIT_OK
+
+
+async def _print_budgets(ledger: Ledger, account: str) -> None:
+    caps, spent, held = await ledger.budgets(account)
+    if caps.get("postpaid") == "1":
+        print("postpaid: runs on its budgets, no balance check")
+    for b in budgets(caps, spent, held, time.time()):
+        whose = f"key {b.key_id}" if b.key_id else "account"
+        print(f"budget: {whose} per {b.period} {format_credits(b.limit)}  spent "
+              f"{format_credits(b.spent)}  held {format_credits(b.held)}  resets "
+              f"{b.resets_at.strftime('%Y-%m-%dT%H:%M:%SZ')}")
+
+
+async def _credits_budget(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    try:
+        micro = parse_credits(args.amount) if args.amount is not None else None
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    ledger = Ledger(store.redis)
+    try:
+        await ledger.set_budget(args.account, args.period, micro, args.key)
+        if args.postpaid is not None:
+            await ledger.set_postpaid(args.account, args.postpaid == "on")
+    except ValueError as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    await _print_budgets(ledger, args.account)
     return EXIT_OK
 
 

@@ -187,6 +187,7 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", "/admin/keys/{key_id}", admin.revoke_key, docs.ADMIN_REVOKE_KEY),
     Route("GET", "/admin/accounts/{account}", admin.show_account, docs.ADMIN_ACCOUNT),
     Route("POST", "/admin/accounts/{account}/credits", admin.add_credits, docs.ADMIN_CREDITS),
+    Route("POST", "/admin/accounts/{account}/budgets", admin.set_budget, docs.ADMIN_BUDGETS),
     Route("POST", "/admin/reload", admin.reload_policies, docs.ADMIN_RELOAD),
     Route("GET", "/admin/backends", admin.list_backends, docs.ADMIN_BACKENDS),
 )

@@ -29,6 +29,7 @@ class ErrorKind(enum.Enum):
     INVALID_REQUEST = (400, "invalid_request")
     INVALID_API_KEY = (401, "invalid_api_key")
     INSUFFICIENT_CREDITS = (402, "insufficient_credits")
+    BUDGET_EXCEEDED = (402, "budget_exceeded")
     FORBIDDEN = (403, "forbidden")
     NOT_FOUND = (404, "not_found")
     METHOD_NOT_ALLOWED = (405, "method_not_allowed")

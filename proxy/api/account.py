@@ -2,7 +2,9 @@
 rate limit like any request (they read the store, so they must not be free to hammer).
 
     GET  /v2/account        tier, balance (available / held / spent), rate limit left, the
-                            token windows (tokens a minute and a day: limit, used, remaining)
+                            token windows (tokens a minute and a day: limit, used, remaining),
+                            the budgets (the account's and the key's: limit, spent, held,
+                            remaining, when it resets)
     GET  /v2/account/usage  totals, per model, per day (running totals the settlement keeps), and
                             one page of the journal (`?limit=50&before=<id>`)
 """
@@ -19,6 +21,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy.appkeys import ADMITTER, LEDGER, LIVE, RESPONSE_HEADERS
+from proxy.credits.budgets import Budget, budgets
 from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
@@ -48,11 +51,20 @@ def _money(micro: int) -> dict[str, Any]:
     return {"credits": format_credits(micro), "micro_credits": micro}
 
 
+def budget_view(budget: Budget) -> dict[str, Any]:
+    """One budget as /v2/account and the admin API show it."""
+    return {"scope": budget.scope, "key_id": budget.key_id, "period": budget.period,
+            "limit": _money(budget.limit), "spent": _money(budget.spent),
+            "held": _money(budget.held), "remaining": _money(budget.remaining),
+            "resets_at": budget.resets_at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
 async def account(request: web.Request) -> web.Response:
     principal = await _caller(request)
     snapshot = request.app[LIVE].current
     try:
         balance = await request.app[LEDGER].balance(principal.account)
+        caps, spent, held = await request.app[LEDGER].budgets(principal.account)
     except RedisError:
         raise store_unavailable("account store") from None
     limits = request[RESPONSE_HEADERS]
@@ -78,6 +90,10 @@ async def account(request: web.Request) -> web.Response:
                        "reset_s": int(limits["X-RateLimit-Reset"]), "per": "minute"},
         # chat tokens in the tier's windows (reserved by requests in flight, or used)
         "token_limits": tokens,
+        # spend caps that reset: the account's and this key's
+        "budgets": [budget_view(b) for b in budgets(caps, spent, held, time.time(),
+                                                    principal.key_id or "")],
+        "postpaid": caps.get("postpaid") == "1",
         "price_version": snapshot.policies.prices.version,
     })
 

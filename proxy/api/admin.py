@@ -6,6 +6,8 @@
     DELETE /admin/keys/{key_id}     -> the revoked record
     GET    /admin/accounts/{account} -> {account, keys: [record...]}
     POST   /admin/accounts/{account}/credits  {amount, reason} -> a journaled top-up or adjustment
+    POST   /admin/accounts/{account}/budgets  {period, amount, key_id, postpaid} -> set (amount
+           null: remove) a spend budget that resets; the account's budgets
     POST   /admin/reload            policies/ again (as SIGHUP does)
     GET    /admin/backends          every backend: health and load as this worker sees them
 
@@ -24,14 +26,16 @@ import hmac
 import os
 import re
 import time
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import orjson
 from aiohttp import web
 from redis.exceptions import RedisError, ResponseError
 
+from proxy.api.account import budget_view
 from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
+from proxy.credits.budgets import budgets
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
@@ -44,13 +48,14 @@ from proxy.upstream.fleet_state import STARTING
 from proxy.upstream.pool import Backend
 from proxy.validate import RequestInvalid, validate
 
-__all__ = ["ADMIN_TOKEN_ENV", "CreateKeyBody", "CreditBody", "admin_token_matches",
+__all__ = ["ADMIN_TOKEN_ENV", "BudgetBody", "CreateKeyBody", "CreditBody", "admin_token_matches",
            "require_admin"]
 
 ADMIN_TOKEN_ENV = "GATEWAY_ADMIN_TOKEN"
 _BODY_CAP = 64 * 1024  # admin bodies are tiny
 _ACCOUNT_RE = re.compile(ACCOUNT_PATTERN)
 CREDITS_PATTERN = r"^-?[0-9]{1,9}(\.[0-9]{1,6})?$"
+BUDGET_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,6})?$"
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -148,11 +153,7 @@ async def add_credits(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise validation_failed([{"loc": ["body", "amount"], "msg": str(exc),
                                   "type": "value_error"}]) from None
-    account_id = request.match_info["account"]
-    if not _ACCOUNT_RE.fullmatch(account_id):  # as keys create requires
-        raise validation_failed([{"loc": ["path", "account"],
-                                  "msg": f"String should match pattern '{ACCOUNT_PATTERN}'",
-                                  "type": "string_pattern_mismatch"}])
+    account_id = _account_id(request)
     try:
         available = await request.app[LEDGER].credit(
             account_id, micro, {"reason": spec.reason[:200], "actor": "admin-api",
@@ -166,6 +167,54 @@ async def add_credits(request: web.Request) -> web.Response:
         raise store_unavailable("credit store") from None
     return _json({"account": account_id, "added": _money(micro),
                   "available": _money(available)}, status=201)
+
+
+class BudgetBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    period: Literal["day", "week", "month"]
+    amount: Annotated[str, msgspec.Meta(
+        pattern=BUDGET_PATTERN,
+        description="The cap in credits, e.g. \"50\" (\"0\": nothing may be spent); null "
+                    "removes it")] | None
+    key_id: Annotated[str | None, msgspec.Meta(
+        description="A key of the account (its budget is at most the account's); null: the "
+                    "account's")] = None
+    postpaid: Annotated[bool | None, msgspec.Meta(
+        description="true: no balance check, the account runs on its budgets alone")] = None
+
+
+async def set_budget(request: web.Request) -> web.Response:
+    """Set or remove one budget (and the postpaid flag); the account's budgets after."""
+    await require_admin(request)
+    spec = _body(await read_json(request, _BODY_CAP), BudgetBody)
+    account_id = _account_id(request)
+    micro = parse_credits(spec.amount) if spec.amount is not None else None
+    ledger = request.app[LEDGER]
+    try:
+        if spec.key_id is not None:
+            view = await request.app[KEYSTORE].account(account_id)
+            if view is None or spec.key_id not in {k.id for k in view.keys}:
+                raise GatewayError(ErrorKind.NOT_FOUND, "no such key in this account")
+        try:
+            await ledger.set_budget(account_id, spec.period, micro, spec.key_id)
+        except ValueError as exc:
+            raise GatewayError(ErrorKind.CONFLICT, str(exc)) from None
+        if spec.postpaid is not None:
+            await ledger.set_postpaid(account_id, spec.postpaid)
+        caps, spent, held = await ledger.budgets(account_id)
+    except RedisError:
+        raise store_unavailable("credit store") from None
+    return _json({"account": account_id, "postpaid": caps.get("postpaid") == "1",
+                  "budgets": [budget_view(b) for b in budgets(caps, spent, held, time.time())]},
+                 status=201)
+
+
+def _account_id(request: web.Request) -> str:
+    account_id = request.match_info["account"]
+    if not _ACCOUNT_RE.fullmatch(account_id):  # as keys create requires
+        raise validation_failed([{"loc": ["path", "account"],
+                                  "msg": f"String should match pattern '{ACCOUNT_PATTERN}'",
+                                  "type": "string_pattern_mismatch"}])
+    return account_id
 
 
 async def reload_policies(request: web.Request) -> web.Response:

@@ -75,7 +75,8 @@ _BODIES: Final[Mapping[Family, tuple[type, type]]] = {  # (other errors, 422 wit
 _WHEN: Final[Mapping[int, str]] = {
     400: "The body is not JSON or not a JSON object (invalid_json)",
     401: "Key or token malformed, unknown, revoked or expired (invalid_api_key)",
-    402: "The worst-case cost exceeds the available balance (insufficient_credits)",
+    402: "The worst-case cost exceeds the available balance (insufficient_credits), or would "
+         "take the account or key past a spend budget before it resets (budget_exceeded)",
     403: "The tier may not use this model, mode or task family (forbidden)",
     404: "Unknown model, or network mode, which no model offers yet (not_found)",
     409: "A request with the same Idempotency-Key is still running (conflict)",

@@ -93,6 +93,17 @@ class TokenLimitsView(msgspec.Struct, kw_only=True):
     per_day: TokenWindow | None = None
 
 
+class BudgetView(msgspec.Struct, kw_only=True):
+    scope: Literal["account", "key"]
+    key_id: str | None
+    period: Literal["day", "week", "month"]
+    limit: Money
+    spent: Annotated[Money, Meta(description="Charged in this period")]
+    held: Annotated[Money, Meta(description="Held by requests running now")]
+    remaining: Money
+    resets_at: Annotated[str, Meta(description="When the period ends (UTC, RFC 3339)")]
+
+
 class AccountView(msgspec.Struct, kw_only=True):
     account: str
     tier: str
@@ -101,7 +112,17 @@ class AccountView(msgspec.Struct, kw_only=True):
     rate_limit: RateLimitView
     token_limits: Annotated[TokenLimitsView, Meta(
         description="The tier's chat token limits (empty when it has none)")]
+    budgets: Annotated[list[BudgetView], Meta(
+        description="Spend caps that reset each UTC day, week (from Monday) or month: the "
+                    "account's and the calling key's")]
+    postpaid: Annotated[bool, Meta(description="Runs on its budgets alone, no balance")]
     price_version: str
+
+
+class BudgetsView(msgspec.Struct, kw_only=True):
+    account: str
+    postpaid: bool
+    budgets: list[BudgetView]
 
 
 class UsageTotals(msgspec.Struct, kw_only=True):

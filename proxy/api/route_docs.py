@@ -39,6 +39,7 @@ from proxy.api.service_docs import (
     ACCOUNT_USAGE,
     ADMIN_ACCOUNT,
     ADMIN_BACKENDS,
+    ADMIN_BUDGETS,
     ADMIN_CREATE_KEY,
     ADMIN_CREDITS,
     ADMIN_LIST_KEYS,
@@ -71,7 +72,8 @@ from proxy.styles.served_schema import ServedChatRequest
 
 # Every route's Doc, the gateway's own routes' from service_docs.py.
 __all__ = [
-    "ACCOUNT", "ACCOUNT_USAGE", "ADMIN_ACCOUNT", "ADMIN_BACKENDS", "ADMIN_CREATE_KEY",
+    "ACCOUNT", "ACCOUNT_USAGE", "ADMIN_ACCOUNT", "ADMIN_BACKENDS", "ADMIN_BUDGETS",
+    "ADMIN_CREATE_KEY",
     "ADMIN_CREDITS", "ADMIN_LIST_KEYS", "ADMIN_RELOAD", "ADMIN_REVOKE_KEY", "ASR", "COMPAT_CHAT",
     "HEALTHZ", "IMAGE", "MEDIA", "MESSAGES_CHAT", "METRICS", "MODELS", "NATIVE_CHAT", "OLLAMA_PS",
     "OLLAMA_ROOT", "OLLAMA_SHOW", "OLLAMA_TAGS", "OLLAMA_VERSION", "OPENAI_SPEECH",

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from proxy.api.account import ENTRY_ID_PATTERN, PAGE_MAX
-from proxy.api.admin import CreateKeyBody, CreditBody
+from proxy.api.admin import BudgetBody, CreateKeyBody, CreditBody
 from proxy.api.doc_types import (
     ADMIN,
     EXAMPLE_MODEL,
@@ -30,6 +30,7 @@ from proxy.api.ollama_discovery import ShowRequest
 from proxy.api.response_bodies import (
     AccountKeys,
     AccountView,
+    BudgetsView,
     CreatedKey,
     CreditsAdded,
     Health,
@@ -169,6 +170,14 @@ ADMIN_CREDITS: Final = _admin(
     request=CreditBody, params=(_ACCOUNT_PARAM,),
     when={409: "The adjustment would take the balance below zero, or beyond what the "
                "ledger holds (conflict)", 503: "The credit store is unreachable"})
+ADMIN_BUDGETS: Final = _admin(
+    "Set or remove a spend budget (per UTC day, week or month; of the account or one of its "
+    "keys) and the postpaid flag",
+    Response("The account's budgets now", BudgetsView), *_BODY_ERRORS, 404, 409, 503,
+    request=BudgetBody, params=(_ACCOUNT_PARAM,),
+    when={404: "No such key in this account (not_found)",
+          409: "A key's budget would pass its account's, or the account's fall under a "
+               "key's (conflict)", 503: "The credit store is unreachable"})
 ADMIN_RELOAD: Final = Doc(
     summary="Reload policies/ (as SIGHUP does)", tags=("admin",), security=(ADMIN,),
     auth_optional=False,

@@ -5,7 +5,8 @@ connection (runtime.script_pipe), counts the request in the caller's sliding win
 N requests in ANY 60 s, exact across every worker and gateway: no double burst at a window edge),
 reserves its worst case in the tier's token windows (tokens a minute and a day; the settlement
 puts the engine's count in its place: `settle_tokens`), reads the figures the rate-limit
-headers need from that same step, and places the credit hold.
+headers need from that same step, and places the credit hold, within the account's and the
+key's budgets (proxy.credits.budgets).
 A keyed caller's window lives beside its balance (same hash tag, same Redis); a guest holds
 nothing, so its window lives on the counters' Redis, off the ledger's fsync path.
 
@@ -37,6 +38,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from proxy.config import TierPolicy
+from proxy.credits.budgets import BudgetExceeded
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
@@ -46,7 +48,7 @@ from proxy.store.script_pipe import SERVER_RUN, ScriptPipes
 log = logging.getLogger("proxy.credits.admission")
 
 WINDOW_MS = 60_000
-ADMITTED, LIMITED, INSUFFICIENT, DUPLICATE_HOLD, TOKEN_LIMITED = 1, 0, 2, 3, 4
+ADMITTED, LIMITED, INSUFFICIENT, DUPLICATE_HOLD, TOKEN_LIMITED, OVER_BUDGET = 1, 0, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +152,8 @@ class Admitter:
             else:
                 await self._index(principal.account)
                 answer = await self._keyed.call(
-                    self._admit, [*window_keys, keys.balance, keys.holds, keys.hold_expiry],
-                    args)
+                    self._admit, [*window_keys, keys.balance, keys.holds, keys.hold_expiry,
+                                  *keys.budgets], [*args, principal.key_id or ""])
         except StoreBusy:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is busy; try again shortly",
                                headers={"Retry-After": "1"}) from None
@@ -160,7 +162,7 @@ class Admitter:
                 raise store_unavailable("credit ledger") from None
             return await self._store_down(tier_name, tier, principal.account)
         status, remaining, reset_ms, available, tokens_left, tokens_reset = (
-            int(x) for x in answer)
+            int(x) for x in answer[:6])
         window = Window(limit, max(0, remaining), max(0, math.ceil(reset_ms / 1000)),
                         tokens_limit=tpm or tpd, tokens_remaining=max(0, tokens_left),
                         tokens_reset_ms=max(0, tokens_reset))
@@ -179,6 +181,9 @@ class Admitter:
                                f"may use up to {tokens}", wait_ms=tokens_reset)
         if status == INSUFFICIENT and hold is not None:
             raise InsufficientCredits(int(available), hold.amount)
+        if status == OVER_BUDGET and hold is not None:
+            cap = answer[6].decode() if isinstance(answer[6], bytes) else str(answer[6])
+            raise BudgetExceeded(cap, int(available), hold.amount)
         # DUPLICATE_HOLD: the script ran twice (its first reply was lost and the client
         # retried): the hold is ours, placed by the first run.
         return window

@@ -39,6 +39,7 @@ from typing import Any
 
 import orjson
 
+from proxy.credits.budgets import cap_name, key_cap_problem
 from proxy.ids import hex_id
 from proxy.store.client import Primaries, Store, wait_for_replicas
 from proxy.store.script_pipe import SERVER_RUN
@@ -63,6 +64,8 @@ def lua_script(name: str) -> str:
     source = (folder / f"{name}.lua").read_text()
     if name in _SOFT_STATE:
         source = (folder / "soft_state.lua").read_text() + "\n" + source
+    if name == "admit":
+        source = (folder / "periods.lua").read_text() + "\n" + source
     return source
 
 
@@ -92,6 +95,13 @@ class AccountKeys:
     def reservation(self, request_id: str) -> str:
         """What a request reserved in the token windows, until its settlement."""
         return self.balance[:-3] + f"tkr:{request_id}"
+
+    @property
+    def budgets(self) -> list[str]:
+        """The budgets (caps: persisted), what was charged in each period (persisted), and
+        what holds count against them now (soft): proxy.credits.budgets."""
+        base = self.balance[:-3]
+        return [base + "caps", base + "capspent", base + "capheld"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +182,10 @@ class Ledger:
         hold_id = new_hold_id()
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
-        status, _, _, available, _, _ = await self.admit_script(
+        status, _, _, available, _, _, _ = await self.admit_script(
             keys=[keys.window("none"), *keys.tokens("none"), keys.reservation(hold_id),
-                  keys.balance, keys.holds, keys.hold_expiry],
-            args=[0, 0, hold_id, amount, ttl_s, "", 0, 0, 0])
+                  keys.balance, keys.holds, keys.hold_expiry, *keys.budgets],
+            args=[0, 0, hold_id, amount, ttl_s, "", 0, 0, 0, ""])
         if status != 1:
             raise InsufficientCredits(int(available), amount)
         return hold_id
@@ -198,7 +208,8 @@ class Ledger:
         """Forget the account's holds if another Redis process placed them (a restart from a
         snapshot that held them: lua/soft_state.lua); True if it did. Reads call it first."""
         keys = AccountKeys.of(account)
-        return bool(await self._forget(keys=[keys.balance, keys.holds, keys.hold_expiry]))
+        return bool(await self._forget(keys=[keys.balance, keys.holds, keys.hold_expiry,
+                                             keys.budgets[2]]))
 
     async def balance(self, account: str) -> Balance:
         await self.forget_stale_holds(account)
@@ -207,13 +218,50 @@ class Ledger:
         return Balance(get.get("available", 0), get.get("held", 0), get.get("spent", 0),
                        get.get("credited", 0))
 
+    async def budgets(self, account: str) -> tuple[dict[str, str], dict[str, str],
+                                                   dict[str, str]]:
+        """The account's caps, what was charged per period, and what holds count now
+        (proxy.credits.budgets reads them)."""
+        await self.forget_stale_holds(account)
+        caps, spent, held = AccountKeys.of(account).budgets
+        async with self.primaries.client_for(caps).pipeline(transaction=False) as pipe:
+            for key in (caps, spent, held):
+                pipe.hgetall(key)
+            raw = await pipe.execute()
+        return _fields(raw[0]), _fields(raw[1]), _fields(raw[2])
+
+    async def set_budget(self, account: str, period: str, amount: int | None,
+                         key_id: str | None = None) -> None:
+        """Set (or, with None, remove) a budget; ValueError when a key's would pass its
+        account's (or the account's would fall under a key's)."""
+        caps_key = AccountKeys.of(account).budgets[0]
+        name = cap_name(period, key_id)
+        if amount is None:
+            await self.redis.hdel(caps_key, name)
+            return
+        problem = key_cap_problem(_fields(await self.redis.hgetall(caps_key)), period, amount,
+                                  key_id)
+        if problem:
+            raise ValueError(problem)
+        await self.redis.hset(caps_key, name, amount)
+
+    async def set_postpaid(self, account: str, postpaid: bool) -> None:
+        """A postpaid account runs on its budgets alone: no balance check, what it is charged
+        is what it owes (its available balance goes below zero)."""
+        caps_key = AccountKeys.of(account).budgets[0]
+        if postpaid:
+            await self.redis.hset(caps_key, "postpaid", "1")
+        else:
+            await self.redis.hdel(caps_key, "postpaid")
+
     async def sweep(self) -> int:
         """Release expired holds in every account; returns how many were released."""
         released = 0
         async for raw in self.redis.sscan_iter(ACCOUNTS):
             keys = AccountKeys.of(_text(raw))
             released += int(await self._sweep(
-                keys=[keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.ended]))
+                keys=[keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.ended,
+                      keys.budgets[2]]))
         return released
 
     async def entries(self, account: str, *, before: str | None = None, count: int = 50
@@ -285,7 +333,8 @@ class Ledger:
             problems.append(f"{account}: journal credits {credited} != credited {bal.credited}")
         if spent != bal.spent:
             problems.append(f"{account}: journal charges {spent} != spent {bal.spent}")
-        if bal.available < 0 or bal.held < 0:
+        postpaid = await self.redis.hget(keys.budgets[0], "postpaid") in (b"1", "1")
+        if (bal.available < 0 and not postpaid) or bal.held < 0:  # postpaid: what it owes
             problems.append(f"{account}: negative balance {bal}")
         if len(ended) != len(set(ended)):
             problems.append(f"{account}: a hold has more than one terminal entry")
@@ -310,5 +359,5 @@ def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, m
                        run]
     for unit, count in units.items():
         args += (unit, count)
-    return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended],
-            args)
+    return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended,
+             *keys.budgets[1:]], args)

@@ -27,6 +27,7 @@ from redis.commands.core import AsyncScript
 
 from proxy.config import PricesPolicy, Rates, TierPolicy
 from proxy.credits.admission import Admitter, Hold, Window
+from proxy.credits.budgets import BudgetExceeded, over_budget
 from proxy.credits.ledger import InsufficientCredits, new_hold_id, settle_call
 from proxy.credits.pricing import (
     ChatUsage,
@@ -186,6 +187,9 @@ class Meter:
                 f"this request may cost up to {format_credits(exc.needed)} credits and "
                 f"{format_credits(exc.available)} are available",
             ) from None
+        except BudgetExceeded as exc:
+            self.stage = Stage.REFUSED
+            raise over_budget(exc) from None
         except GatewayError as exc:
             if exc.kind is not ErrorKind.UNAVAILABLE:  # 429: refused for sure; 503: unknown
                 self.stage = Stage.REFUSED

@@ -139,8 +139,8 @@ class Settler:
             if self._metrics is not None:
                 self._metrics.redis_errors.labels("settlement").inc()
             if attempt < len(RETRY_DELAYS_S):
-                log.warning("%d settlement write(s) failed (%s); retrying", len(batch),
-                            type(errors[0]).__name__)
+                log.warning("%d settlement write(s) failed (%s: %s); retrying", len(batch),
+                            type(errors[0]).__name__, str(errors[0])[:200])
         self._lose(len(batch))
 
     async def _send(self, client: Redis, writes: list[Write]) -> RedisError | None:

@@ -42,6 +42,7 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 _ERROR_TYPES = {
     ErrorKind.INVALID_API_KEY: "authentication_error",
     ErrorKind.INSUFFICIENT_CREDITS: "billing_error",
+    ErrorKind.BUDGET_EXCEEDED: "billing_error",
     ErrorKind.FORBIDDEN: "permission_error",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.PAYLOAD_TOO_LARGE: "request_too_large",

@@ -22,20 +22,27 @@
 -- Holds are tagged with this Redis process's run id, and those another process placed are
 -- forgotten first (soft_state.lua, prepended).
 --
+-- Budgets (caps that reset, per account and per key, per UTC day, week or calendar month) count
+-- what is charged in the period ('budgets spent', persisted by settle.lua) and what is held now
+-- ('budget holds', soft like the holds): a hold that would take either past a cap is refused.
+-- A postpaid account (caps field 'postpaid') has no balance to check, only its caps.
+--
 -- KEYS: request window zset, minute tokens hash, its buckets zset, day tokens hash, its buckets
 --   zset, this request's reservation (all under the account's tag), then, with a hold: balance
---   hash, holds hash, hold expiry zset
+--   hash, holds hash, hold expiry zset, budgets hash (caps), budgets spent hash, budget holds
+--   hash
 -- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s, this Redis
 --   process's run id (the connection's; '' to ask the server), tokens to reserve, tokens a
---   minute (0: no limit), tokens a day (0: no limit)
+--   minute (0: no limit), tokens a day (0: no limit), the key's id ('' for none)
 -- Returns {status, remaining, reset ms, available, tokens remaining this minute (-1: no limit),
---   tokens reset ms}: status 1 admitted, 0 rate limited, 2 insufficient credits, 3 hold id
---   already used, 4 token limited (reset -1: the request alone is over the limit). remaining
---   is -1 without a limit.
+--   tokens reset ms, budget}: status 1 admitted, 0 rate limited, 2 insufficient credits, 3 hold
+--   id already used, 4 token limited (reset -1: the request alone is over the limit), 5 over a
+--   budget (`budget` names it, 'a:m' or 'k:<key id>:d'; available: what it has left).
+--   remaining is -1 without a limit.
 local run, holds
 if ARGV[3] ~= '' then
   run = this_run(ARGV[6])
-  holds = forget_stale_holds(KEYS[7], KEYS[8], KEYS[9], run)
+  holds = forget_stale_holds(KEYS[7], KEYS[8], KEYS[9], run, KEYS[12])
 end
 redis.set_repl(redis.REPL_NONE)
 local now = redis.call('TIME')
@@ -50,7 +57,7 @@ if limit > 0 then
   count = redis.call('ZCARD', KEYS[1])
   if count >= limit then
     local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-    return {0, 0, tonumber(oldest[2]) + window - now_ms, 0, -1, 0}
+    return {0, 0, tonumber(oldest[2]) + window - now_ms, 0, -1, 0, ''}
   end
 end
 
@@ -78,7 +85,7 @@ if tokens > 0 then
     local total = tonumber(redis.call('HGET', h, 't') or '0')
     if total + tokens > cap then
       local unspent = limit > 0 and (limit - count) or -1
-      if tokens > cap then return {4, unspent, 0, 0, math.max(0, cap - total), -1} end
+      if tokens > cap then return {4, unspent, 0, 0, math.max(0, cap - total), -1, ''} end
       -- When enough of the window's tokens have left it; sooner when what is reserved by
       -- requests in flight would make room once they settle (they usually use less).
       local need, freed, at = total + tokens - cap, 0, 0
@@ -92,7 +99,7 @@ if tokens > 0 then
       end
       local reserved = tonumber(redis.call('HGET', h, 'r') or '0')
       if reserved >= need then at = math.min(at, 1000) end
-      return {4, unspent, 0, 0, math.max(0, cap - total), math.max(at, 1)}
+      return {4, unspent, 0, 0, math.max(0, cap - total), math.max(at, 1), ''}
     end
     w[6] = bucket
     if i == 1 then tokens_left, tokens_reset = cap - total - tokens, 0 end
@@ -122,32 +129,59 @@ if limit > 0 then
   remaining = limit - count - 1
   reset = tonumber(oldest[2]) + tonumber(ARGV[2]) - now_ms
 end
-if ARGV[3] == '' then return {1, remaining, reset, 0, tokens_left, tokens_reset} end
+if ARGV[3] == '' then return {1, remaining, reset, 0, tokens_left, tokens_reset, ''} end
+local amount = tonumber(ARGV[4])
+local function unreserve()  -- it will not run: its tokens were never used
+  if tokens == 0 then return end
+  for _, w in ipairs(windows) do
+    local h, b = w[4], w[6]
+    redis.call('HINCRBY', h, b, -tokens)
+    redis.call('HINCRBY', h, b .. 'r', -tokens)
+    redis.call('HINCRBY', h, 't', -tokens)
+    redis.call('HINCRBY', h, 'r', -tokens)
+  end
+  redis.call('DEL', KEYS[6])
+end
+-- The budgets: every cap of the account and of the key (one HMGET when there are none).
+local names = {'a:d', 'a:w', 'a:m'}
+if ARGV[10] ~= '' then
+  for _, p in ipairs({'d', 'w', 'm'}) do names[#names + 1] = 'k:' .. ARGV[10] .. ':' .. p end
+end
+local caps = redis.call('HMGET', KEYS[10], 'postpaid', unpack(names))
+local budgets = {}
+for i, name in ipairs(names) do
+  local cap = caps[i + 1]
+  if cap then
+    local index = period_index(string.sub(name, -1), now_s)
+    local field = name .. ':' .. index
+    local used = tonumber(redis.call('HGET', KEYS[11], field) or '0')
+                 + tonumber(redis.call('HGET', KEYS[12], field) or '0')
+    if used + amount > tonumber(cap) then
+      unreserve()
+      return {5, remaining, reset, tonumber(cap) - used, tokens_left, tokens_reset, name}
+    end
+    budgets[#budgets + 1] = field
+  end
+end
 -- Every redis.call costs about a microsecond warm and several on a busy core, so the common
 -- path is written in as few as it takes: the hold is claimed and the amount taken first, and
 -- both are given back in the rare refusal (no one sees the difference: the script is atomic).
 -- Figures go as the strings they came in where they can (Lua formats a number with sprintf).
-local amount = tonumber(ARGV[4])
 if redis.call('HSETNX', KEYS[8], ARGV[3], ARGV[4]) == 0 then
-  return {3, remaining, reset, 0, tokens_left, tokens_reset}
+  return {3, remaining, reset, 0, tokens_left, tokens_reset, ''}
 end
 local left = redis.call('HINCRBY', KEYS[7], 'available', 0 - amount)  -- never -0
-if left < 0 then
+if left < 0 and caps[1] ~= '1' then
   redis.call('HINCRBY', KEYS[7], 'available', ARGV[4])
   redis.call('HDEL', KEYS[8], ARGV[3])
-  if tokens > 0 then  -- it will not run: its tokens were never used
-    for _, w in ipairs(windows) do
-      local h, b = w[4], w[6]
-      redis.call('HINCRBY', h, b, -tokens)
-      redis.call('HINCRBY', h, b .. 'r', -tokens)
-      redis.call('HINCRBY', h, 't', -tokens)
-      redis.call('HINCRBY', h, 'r', -tokens)
-    end
-    redis.call('DEL', KEYS[6])
-  end
-  return {2, remaining, reset, left + amount, tokens_left, tokens_reset}
+  unreserve()
+  return {2, remaining, reset, left + amount, tokens_left, tokens_reset, ''}
 end
 redis.call('HINCRBY', KEYS[7], 'held', ARGV[4])
 redis.call('ZADD', KEYS[9], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
 if holds ~= 'kept' then redis.call('HSET', KEYS[8], '@run', run) end  -- the first hold here
-return {1, remaining, reset, left, tokens_left, tokens_reset}
+if #budgets > 0 then
+  for _, field in ipairs(budgets) do redis.call('HINCRBY', KEYS[12], field, ARGV[4]) end
+  redis.call('HSET', KEYS[12], 'h:' .. ARGV[3], table.concat(budgets, ','))
+end
+return {1, remaining, reset, left, tokens_left, tokens_reset, ''}

@@ -6,12 +6,14 @@
 -- A hold that is gone was either ended already (settled or swept: its id is in the `ended` set
 -- for a while, so a retried settle does nothing) or forgotten by a Redis restart; the request
 -- then ran on money that was reserved, and is charged from what is available, never more than
--- it held (`recovered` in the journal).
+-- it held (`recovered` in the journal), and not counted against its budgets (what the hold
+-- counted against them was forgotten with it).
 --
 -- Holds another Redis process placed are forgotten first (soft_state.lua, prepended): a
 -- request that was running when Redis restarted goes the "forgotten by a restart" way.
 --
--- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset
+-- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset,
+--       budgets spent hash, budget holds hash
 -- ARGV: hold id ('' for none), cost, amount held, status, model, details (JSON), journal
 --       entries kept, journal ttl s (0: none), this Redis process's run id (the connection's;
 --       '' to ask the server), then pairs of (usage unit, count) that the running totals add
@@ -25,7 +27,7 @@ local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'
 local recovered = '0'
 if ARGV[1] ~= '' then
-  forget_stale_holds(KEYS[1], KEYS[2], KEYS[3], this_run(ARGV[9]))
+  forget_stale_holds(KEYS[1], KEYS[2], KEYS[3], this_run(ARGV[9]), KEYS[8])
   held = redis.call('HGET', KEYS[2], ARGV[1])  -- a hold still there has not ended
   if not held then
     if redis.call('ZSCORE', KEYS[6], ARGV[1]) then return -1 end
@@ -41,7 +43,15 @@ if ARGV[1] ~= '' then
     redis.call('HINCRBY', KEYS[1], 'available', held)
     redis.call('HDEL', KEYS[2], ARGV[1])
     redis.call('ZREM', KEYS[3], ARGV[1])
+    local budgets = release_budgets(KEYS[8], ARGV[1], held)
     redis.set_repl(redis.REPL_ALL)
+    if budgets and charge > 0 then  -- what it cost counts against the budgets it was held in
+      for field in string.gmatch(budgets, '[^,]+') do
+        redis.call('HINCRBY', KEYS[7], field, charge)
+        local name, index = string.match(field, '^(.*):(%d+)$')
+        redis.call('HDEL', KEYS[7], name .. ':' .. (tonumber(index) - 2))  -- periods long over
+      end
+    end
   end
   redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)  -- never -0
   redis.call('HINCRBY', KEYS[1], 'spent', charge)

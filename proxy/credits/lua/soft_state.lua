@@ -16,9 +16,9 @@ local function this_run(given)
 end
 
 -- Forget the account's holds if another Redis process placed them (logged, whatever the
--- caller's replication mode). Returns 'kept' (they are this process's), 'none' (there are none)
--- or 'forgotten'.
-local function forget_stale_holds(balance, holds, expiry, run)
+-- caller's replication mode), and what they held against its budgets (`capheld`). Returns
+-- 'kept' (they are this process's), 'none' (there are none) or 'forgotten'.
+local function forget_stale_holds(balance, holds, expiry, run, capheld)
   local tag = redis.call('HGET', holds, '@run')
   if tag == run then return 'kept' end
   if not tag and redis.call('EXISTS', holds, expiry) == 0 then return 'none' end
@@ -28,6 +28,20 @@ local function forget_stale_holds(balance, holds, expiry, run)
     redis.call('HINCRBY', balance, 'available', held)
     redis.call('HSET', balance, 'held', '0')
   end
-  redis.call('DEL', holds, expiry)
+  redis.call('DEL', holds, expiry, capheld)
   return 'forgotten'
+end
+
+-- A hold that ends stops counting against the budgets it counted against (admit.lua recorded
+-- which, as 'h:<hold id>' in the budget holds hash). Returns those budgets' fields (or nil).
+local function release_budgets(capheld, hold_id, held)
+  local fields = redis.call('HGET', capheld, 'h:' .. hold_id)
+  if not fields then return nil end
+  redis.call('HDEL', capheld, 'h:' .. hold_id)
+  for field in string.gmatch(fields, '[^,]+') do
+    if redis.call('HINCRBY', capheld, field, -tonumber(held)) <= 0 then
+      redis.call('HDEL', capheld, field)
+    end
+  end
+  return fields
 end

@@ -4,7 +4,8 @@ by three Sentinels. Each shows, across all three gateways:
 
 - the basic tier's 20 requests a minute hold exactly, and the pro tier's 300 tokens a minute:
   what is reserved never passes the limit, and what settles is the engine's count;
-- a balance every gateway draws on is never over-spent, and reconcile is clean;
+- a balance every gateway draws on is never over-spent, nor a monthly budget passed, and
+  reconcile is clean;
 - the primary holding an account is SIGKILLed mid-run, a replica is promoted, and every request
   answered 200 is one charge in the journal (no settled charge lost, none twice);
 - a revocation and a policy reload asked of one gateway reach every worker of every gateway
@@ -171,6 +172,22 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
             await asyncio.sleep(0.05)
         assert int(await redis.hget(minute, "t") or 0) == used <= 300
 
+        # A monthly budget worth a few requests, drawn on by all at once: never passed, and
+        # every refusal is the budget's own 402.
+        async with aiohttp.ClientSession() as session:
+            capped = await new_account(session, urls[0], "acct-capped", "max", "1000")
+            await admin(session, urls[1], "/admin/accounts/acct-capped/budgets",
+                        {"period": "month", "amount": "0.0015"})  # ~16 holds
+        answers = await asyncio.gather(*(ask(urls[n % GATEWAYS], capped) for n in range(40)))
+        statuses = Counter(status for status, _ in answers)
+        assert set(statuses) == {200, 402} and statuses[402] > 0, statuses
+        assert all(headers.get("X-Budget-Reset") for status, headers in answers
+                   if status == 402)
+        await settled(ledger, "acct-capped")
+        capped_spend = sum(int(e["cost"]) for e in await charges(ledger, "acct-capped"))
+        assert 0 < capped_spend <= 1500 and len(await charges(ledger, "acct-capped")) == \
+            statuses[200]
+
         # One balance, drawn on by all: holds stop it short of zero; nothing over-spent.
         statuses = Counter(status for status, _ in await asyncio.gather(
             *(ask(urls[n % GATEWAYS], shared) for n in range(60))))
@@ -216,7 +233,8 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         await settled(ledger, "acct-failover")
         # Every answered request is exactly one charge: nothing settled was lost in failover.
         assert len(await charges(ledger, "acct-failover")) == answered[200]
-        assert await ledger.reconcile(["acct-basic", "acct-shared", "acct-failover"]) == []
+        assert await ledger.reconcile(["acct-basic", "acct-shared", "acct-failover",
+                                       "acct-tokens", "acct-capped"]) == []
 
         # A revocation asked of one gateway reaches every worker of every gateway.
         revoke_key = await _key_id(urls[0], "acct-basic")

@@ -175,9 +175,11 @@ class Backend:
 
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
                          ledger_fsync: str = "always", access_log: str = "stderr",
-                         routing: Mapping[str, str | float] | None = None) -> Path:
+                         routing: Mapping[str, str | float] | None = None,
+                         limits: bool = False) -> Path:
     """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic
-    strings, which quotes paths and URLs safely); `routing`: its [routing] section, if any."""
+    strings, which quotes paths and URLs safely); `routing`: its [routing] section, if any;
+    `limits`: the bench tier has token limits too (never binding: their whole path runs)."""
     q = json.dumps
     folder.mkdir(parents=True, exist_ok=True)
     text = ("[gateway]\n"
@@ -205,6 +207,8 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
         'models = { "*" = ["direct"] }\n\n'
         f'[tiers.{BENCH_TIER}]\nrequests_per_minute = 1000000\nfamilies = ["chat"]\n'
         'models = { "*" = ["direct", "network"] }\n'
+        + ("tokens_per_minute = 10000000000\ntokens_per_day = 1000000000000\n" if limits
+           else "")
     )
     # Real prices, so every request holds credits and settles a charge.
     (policies / "prices.toml").write_text(
@@ -214,12 +218,14 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
     return folder
 
 
-def create_keys(config_dir: Path, count: int, *, credits_each: int) -> list[str]:
+def create_keys(config_dir: Path, count: int, *, credits_each: int, budgets: bool = False
+                ) -> list[str]:
     """`count` keys of the bench tier, one account each, every account topped up with
-    `credits_each` credits. The same library calls as `proxy keys create` and `proxy credits
-    add`, in one process: 200 CLI runs would take a minute."""
+    `credits_each` credits (`budgets`: and given a monthly budget of as much, never binding).
+    The same library calls as `proxy keys create` and `proxy credits add`, in one process:
+    200 CLI runs would take a minute."""
     accounts = [(f"bench-{i:04d}", BENCH_TIER) for i in range(count)]
-    return asyncio.run(_create_keys(config_dir, accounts, credits_each))
+    return asyncio.run(_create_keys(config_dir, accounts, credits_each, budgets))
 
 
 def account_keys(config_dir: Path, tiers: Mapping[str, str], *, credits_each: int
@@ -230,7 +236,7 @@ def account_keys(config_dir: Path, tiers: Mapping[str, str], *, credits_each: in
 
 
 async def _create_keys(config_dir: Path, accounts: Sequence[tuple[str, str]],
-                       credits_each: int) -> list[str]:
+                       credits_each: int, budgets: bool = False) -> list[str]:
     from proxy.config import load_config
     from proxy.credits.ledger import Ledger
     from proxy.identity.keystore import KeyStore
@@ -248,6 +254,8 @@ async def _create_keys(config_dir: Path, accounts: Sequence[tuple[str, str]],
             await ledger.credit(account, credits_each * 1_000_000,
                                 {"reason": "benchmark", "actor": "loadtests",
                                  "ts": int(time.time())})
+            if budgets:
+                await ledger.set_budget(account, "month", credits_each * 1_000_000)
             return raw
 
         keys: list[str] = []

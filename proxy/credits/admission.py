@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
-from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from proxy.config import TierPolicy
@@ -127,7 +126,6 @@ class Admitter:
         self._guests = ScriptPipes(self._counters)
         self._fallback = MovingWindowRateLimiter(MemoryStorage())
         self._indexed: set[str] = set()  # accounts this process already put in the index
-        self._tokens = ledger.tokens_script
         self._guest_tokens = counters.register_script(ledger.tokens_script.script)
         self._settling: set[asyncio.Task[None]] = set()
         self.failed_open = 0
@@ -205,22 +203,19 @@ class Admitter:
 
     def settle_tokens(self, principal: Principal, tier_name: str, request_id: str,
                       used: int) -> None:
-        """Put the engine's count (`used`) in the place of what `request_id` reserved, in
-        the background. One that is lost leaves the reservation counted until it leaves the
-        window: a limit reached early, never passed."""
+        """A guest's tokens: put the engine's count (`used`) in the place of what
+        `request_id` reserved, in the background (a keyed account's are settled with its
+        charge, settle.lua). One that is lost leaves the reservation counted until it leaves
+        the window: a limit reached early, never passed."""
         keys = AccountKeys.of(principal.account)
-        guest = principal.kind == "guest"
         task = asyncio.get_running_loop().create_task(self._correct(
-            self._guests if guest else self._keyed,
-            self._guest_tokens if guest else self._tokens,
             [*keys.tokens(tier_name), keys.reservation(request_id)], used))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _correct(self, pipes: ScriptPipes, script: AsyncScript, keys: list[str],
-                       used: int) -> None:
+    async def _correct(self, keys: list[str], used: int) -> None:
         with contextlib.suppress(RedisError):
-            await pipes.call(script, keys, [used])
+            await self._guests.call(self._guest_tokens, keys, [used])
 
     async def close(self) -> None:
         if self._settling:

@@ -66,6 +66,8 @@ def lua_script(name: str) -> str:
         source = (folder / "soft_state.lua").read_text() + "\n" + source
     if name == "admit":
         source = (folder / "periods.lua").read_text() + "\n" + source
+    if name in ("settle", "tokens"):
+        source = (folder / "token_settle.lua").read_text() + "\n" + source
     return source
 
 
@@ -350,14 +352,19 @@ class Ledger:
 
 def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, model: str,
                 units: Mapping[str, int], details: Mapping[str, object], keep: int,
-                ttl_s: int, *, run: object = SERVER_RUN) -> tuple[list[str], list[Any]]:
+                ttl_s: int, *, run: object = SERVER_RUN,
+                tokens: tuple[str, str, int] | None = None) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of one settle script call (see lua/settle.lua); `units` are what the
     running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...);
-    `run`: the run id of the Redis it goes to (the pipe's, by default; "" to ask the server)."""
+    `run`: the run id of the Redis it goes to (the pipe's, by default; "" to ask the server);
+    `tokens`: (tier, request id, tokens used) of a request that reserved tokens."""
     keys = AccountKeys.of(account)
     args: list[Any] = [hold_id, cost, held, status, model, orjson.dumps(details), keep, ttl_s,
-                       run]
+                       run, tokens[2] if tokens else ""]
     for unit, count in units.items():
         args += (unit, count)
-    return ([keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended,
-             *keys.budgets[1:]], args)
+    names = [keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended,
+             *keys.budgets[1:]]
+    if tokens:
+        names += [*keys.tokens(tokens[0]), keys.reservation(tokens[1])]
+    return names, args

@@ -223,16 +223,18 @@ class Meter:
             keep, ttl = prices.guest_journal_max_entries, prices.guest_journal_ttl_s
         else:
             keep, ttl = prices.journal_max_entries, 0
+        tokens = None
+        if self.details.get("tokens_held"):  # the engine's count in place of the reservation
+            tokens = (self.principal.tier, str(self.details["request_id"]),
+                      units.get("prompt_tokens", 0) + units.get("completion_tokens", 0))
+        metering = self.metering
         keys, args = settle_call(
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
             self.hold.amount if self.hold else 0, result.status, self.model, units, entry,
-            keep, ttl)
-        metering = self.metering
+            keep, ttl, tokens=tokens if self.hold is not None else None)
         metering.settler.settle(metering.script, keys, args)
-        if self.details.get("tokens_held"):
-            metering.admitter.settle_tokens(
-                self.principal, self.principal.tier, str(self.details["request_id"]),
-                units.get("prompt_tokens", 0) + units.get("completion_tokens", 0))
+        if tokens and self.hold is None:  # a guest's windows live on the rate-limit Redis
+            metering.admitter.settle_tokens(self.principal, *tokens)
         self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing
         metering.metrics.settled(self.model, self.principal.tier, *self.charged)
         return self.charged

@@ -141,10 +141,13 @@ async def busy_gateway(gateway: GatewayFactory, simulator: SimulatorFactory,
     gw = await gateway(chat, {"name": "tts-a", "kind": "tts", "models": [TTS_MODEL],
                               "url": str(tts.make_url("/")).rstrip("/")},
                        models=(MODEL, OTHER_MODEL),
-                       policies={"prices.toml": PRICES, "tiers.toml": GENEROUS_TIERS + SLOW_TIER})
+                       policies={"prices.toml": PRICES, "tiers.toml": GENEROUS_TIERS.replace(
+                           "[tiers.max]\n", "[tiers.max]\ntokens_per_minute = 50000\n"
+                       ) + SLOW_TIER})
     redis = Redis.from_url(redis_url)
     try:
         await Ledger(redis).credit("acct-test", 7_500_000, {"reason": "dashboard test"})
+        await Ledger(redis).set_budget("acct-test", "month", 6_000_000)
     finally:
         await redis.aclose()
     key: str = gw.api_key  # type: ignore[attr-defined]
@@ -205,6 +208,13 @@ async def test_the_dashboard_shows_what_the_account_api_returns(
     assert balance["rate-remaining"] == str(own["rate_limit"]["remaining"])
     assert balance["rate-limit"] == str(account["rate_limit"]["limit"])
     assert balance["price-version"] == "dashboard-v1"
+    # The token window and the budget, as the page's own read gave them.
+    limits = await page.locator("#limits").evaluate(DEFINITIONS_JS)
+    minute, [month] = own["token_limits"]["per_minute"], own["budgets"]
+    assert limits["tokens-minute"] == f"{minute['remaining']} of 50000"
+    assert limits["budget-account-month"] == (
+        f"{month['remaining']['credits']} of 6.000000 left (spent {month['spent']['credits']}, "
+        f"held 0.000000); resets {month['resets_at']}")
     assert await page.locator("#who").text_content() == \
         f"Account acct-test · tier max · key {account['key_id']}"
 

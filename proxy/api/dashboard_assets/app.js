@@ -205,6 +205,7 @@ function render(account, usage) {
     ["rate-reset", "Seconds until a slot frees", shown(rate.reset_s)],
     ["price-version", "Price list", shown(account.price_version)],
   ]);
+  definitions($("limits"), limitRows(account));
   definitions($("totals"), COLUMNS.map(([field, label]) => [field, label,
     fieldText(usage.totals, field)]));
 
@@ -235,13 +236,33 @@ function render(account, usage) {
   $("dashboard").hidden = false;
 }
 
+// The tier's token windows and the budgets (the account's, the key's), as /v2/account has them.
+function limitRows(account) {
+  const rows = [];
+  const windows = [["per_minute", "minute"], ["per_day", "day"]];
+  for (const [field, unit] of windows) {
+    const w = account.token_limits[field];
+    if (w) rows.push([`tokens-${unit}`, `Chat tokens left this ${unit}`,
+      `${w.remaining} of ${w.limit}`]);
+  }
+  for (const b of account.budgets) {
+    const whose = b.scope === "key" ? `Key ${b.key_id}` : "Account";
+    rows.push([`budget-${b.scope}-${b.period}`, `${whose} budget per ${b.period}`,
+      `${b.remaining.credits} of ${b.limit.credits} left (spent ${b.spent.credits}, ` +
+      `held ${b.held.credits}); resets ${b.resets_at}`]);
+  }
+  if (account.postpaid) rows.push(["postpaid", "Billing", "postpaid: budgets only"]);
+  if (!rows.length) rows.push(["none", "Limits", "requests per minute only"]);
+  return rows;
+}
+
 function setNextBefore(value) {
   nextBefore = value;
   $("older").hidden = !value;
 }
 
 function clearData() {
-  for (const id of ["balance", "totals", "chart-models", "chart-day-credits",
+  for (const id of ["balance", "limits", "totals", "chart-models", "chart-day-credits",
     "chart-day-requests", "by-model", "by-day", "journal"]) clear($(id));
   $("who").textContent = "";
   $("older").hidden = true;

@@ -6,9 +6,9 @@
 --
 -- The token limits (tokens a minute, tokens a day) count what requests may use: a request
 -- reserves its worst case (an upper bound of its prompt plus its completion cap) at admission,
--- and its settlement (tokens.lua) puts the engine's count in its place. Each window is a hash
--- of buckets (1 s for the minute, 5 min for the day: bucket -> tokens, bucket..'r' -> the part
--- still reserved by requests in flight, 't' and 'r' their totals) and a zset of its buckets. A
+-- and its settlement (token_settle.lua) puts the engine's count in its place. Each window is a
+-- hash of buckets (1 s for the minute, 5 min for the day: bucket -> tokens, 't' their total,
+-- 'r' what requests in flight still reserve: a hint for Retry-After) and a zset of its buckets. A
 -- window keeps one bucket more than it spans, so it never holds less than the exact sliding
 -- window would (it may refuse a little early, never admit over the limit). What this request
 -- reserved, and where, is kept under its own key until its settlement, so a settlement is
@@ -78,8 +78,7 @@ if tokens > 0 then
     local old = redis.call('ZRANGEBYSCORE', z, '-inf', '(' .. (bucket - span))
     for _, b in ipairs(old) do  -- buckets that left the window take their tokens with them
       redis.call('HINCRBY', h, 't', -tonumber(redis.call('HGET', h, b) or '0'))
-      redis.call('HINCRBY', h, 'r', -tonumber(redis.call('HGET', h, b .. 'r') or '0'))
-      redis.call('HDEL', h, b, b .. 'r')
+      redis.call('HDEL', h, b)
     end
     if #old > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. (bucket - span)) end
     local total = tonumber(redis.call('HGET', h, 't') or '0')
@@ -97,27 +96,27 @@ if tokens > 0 then
           break
         end
       end
-      local reserved = tonumber(redis.call('HGET', h, 'r') or '0')
+      local reserved = math.min(total, tonumber(redis.call('HGET', h, 'r') or '0'))
       if reserved >= need then at = math.min(at, 1000) end
       return {4, unspent, 0, 0, math.max(0, cap - total), math.max(at, 1), ''}
     end
-    w[6] = bucket
+    w[6] = tostring(bucket)
     if i == 1 then tokens_left, tokens_reset = cap - total - tokens, 0 end
   end
   for _, w in ipairs(windows) do
     local h, z, b = w[4], w[5], w[6]
-    redis.call('HINCRBY', h, b, tokens)
-    redis.call('HINCRBY', h, b .. 'r', tokens)
-    redis.call('HINCRBY', h, 't', tokens)
-    redis.call('HINCRBY', h, 'r', tokens)
-    redis.call('ZADD', z, b, b)
-    redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)
-    redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
+    redis.call('HINCRBY', h, b, ARGV[7])
+    redis.call('HINCRBY', h, 't', ARGV[7])
+    redis.call('HINCRBY', h, 'r', ARGV[7])
+    if redis.call('ZADD', z, b, b) == 1 then  -- a new bucket: the window lives a span more
+      redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)
+      redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
+    end
   end
   if #windows > 0 then
     local minute = windows[1][2] == 1 and windows[1][6] or ''
     local day = windows[#windows][2] == 300 and windows[#windows][6] or ''
-    redis.call('SET', KEYS[6], tokens .. ':' .. minute .. ':' .. day, 'EX', 86700)
+    redis.call('SET', KEYS[6], ARGV[7] .. ':' .. minute .. ':' .. day, 'EX', 86700)
   end
 end
 
@@ -136,7 +135,6 @@ local function unreserve()  -- it will not run: its tokens were never used
   for _, w in ipairs(windows) do
     local h, b = w[4], w[6]
     redis.call('HINCRBY', h, b, -tokens)
-    redis.call('HINCRBY', h, b .. 'r', -tokens)
     redis.call('HINCRBY', h, 't', -tokens)
     redis.call('HINCRBY', h, 'r', -tokens)
   end

@@ -18,7 +18,6 @@ local function settle_tokens(minute_h, minute_z, day_h, day_z, reservation, used
     if b == '' or not redis.call('ZSCORE', z, b) then return end
     redis.call('HINCRBY', h, b, used - reserved)
     redis.call('HINCRBY', h, 't', used - reserved)
-    redis.call('HINCRBY', h, b .. 'r', -reserved)
     redis.call('HINCRBY', h, 'r', -reserved)
   end
   settle(minute_h, minute_z, minute)

@@ -189,3 +189,24 @@ async def test_an_async_request_settles_its_tokens_in_the_runner(
         assert counts["t"] == usage["prompt_tokens"] + usage["completion_tokens"]
     finally:
         await redis.aclose()
+
+
+async def test_the_anthropic_client_retries_through_a_token_limit(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """The same on the Messages route, with the official anthropic client."""
+    sim = await simulator(ttft_ms=800, default_completion_tokens=16)
+    gw = await gateway(sim, policies={"tiers.toml": TIERS})
+    key = await basic_key(clean_redis.url, "acct-claude")
+    first = asyncio.create_task(post(gw, body(400), key))
+    await asyncio.sleep(0.2)
+    async with anthropic.AsyncAnthropic(base_url=str(gw.make_url("/v2/messages")), api_key=key,
+                                        max_retries=4) as claude:
+        message = await claude.messages.create(
+            model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "Hello!"}])
+    assert message.content
+    assert (await first)[0] == 200
+    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/metrics")) as r:
+        metrics = await r.text()
+    refused = [line for line in metrics.splitlines()
+               if line.startswith('igw_rate_limited_total{tier="basic"}')]
+    assert refused and float(refused[0].split()[-1]) >= 1  # it was refused, then retried

@@ -194,11 +194,12 @@ def choose_mock(args: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
-                  root: Path = ROOT, *, limits: bool = False) -> Setup:
+                  root: Path = ROOT, *, limits: str | None = None) -> Setup:
     """Start what was not given; each start registers its stop on `stack` before anything else
     can fail, so errors and Ctrl-C never leave a server running. `root`: the checkout whose
     `proxy` the started servers run (loadtests.paired starts a base one beside this one);
-    `limits`: its tier with token limits and its accounts with budgets, never binding."""
+    `limits`: "tokens" (its tier with token limits), "budgets" (its accounts with budgets) or
+    "both", never binding."""
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gateway-bench-")))
     starting = not args.gateway_url
     pinning = plan_pinning() if starting else None
@@ -258,7 +259,8 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
         config = write_gateway_config(workdir / "config", port=port, backends=[
             Backend("bench", args.kind, upstream, args.model),
             Backend("slow", "vllm", slow_upstream, SLOW_MODEL),
-        ], ledger_fsync=args.ledger_fsync, access_log=args.access_log, limits=limits)
+        ], ledger_fsync=args.ledger_fsync, access_log=args.access_log,
+            limits=limits in ("tokens", "both"))
         gw = start("gateway", gateway_args(config, port))
         wait_ready(f"{gateway}/readyz", server=gw)
         setup.worker_pid = gateway_worker_pid(gw.pid)
@@ -267,7 +269,7 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
         setup.groups["redis"] = redis_pids(gw.pid)
         # A gateway started here has an empty key store: its keys are always made here.
         keys = tuple(create_keys(config, args.keys, credits_each=CREDITS_PER_ACCOUNT,
-                                 budgets=limits))
+                                 budgets=limits in ("budgets", "both")))
         if pinning:
             threads = procs.pin(setup.worker_pid, pinning.worker_core)
             if procs.affinity(setup.worker_pid) != {pinning.worker_core}:

@@ -1,7 +1,8 @@
 """Paired comparison: this checkout's gateway against a base one, in one run, under one load.
 
     python -m loadtests.paired BASE [--rounds 10] [--slice 2] [--rate 1000] [--keys 200]
-                                    [--mock auto|nginx|simulator] [--limits] [--json PATH]
+                                    [--mock auto|nginx|simulator] [--limits [tokens|budgets]]
+                                    [--json PATH]
 
 Whole runs of `loadtests.bench` wander at the median on a shared 2-core machine (~0.05 ms, more
 on a busy day), as much as most changes move it. Here both gateways run at once, each as the
@@ -54,8 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keys", type=int, default=200, help="API keys per gateway (default 200)")
     p.add_argument("--mock", choices=("auto", "nginx", "simulator"), default="auto",
                    help="the upstream mock (default: nginx when installed)")
-    p.add_argument("--limits", action="store_true",
-                   help="this gateway only: token limits and budgets on (never binding)")
+    p.add_argument("--limits", nargs="?", const="both", choices=("tokens", "budgets", "both"),
+                   help="this gateway only: token limits and/or budgets on (never binding)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if min(args.rounds, args.keys) < 1 or args.slice <= 0 or args.rate <= 0:
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if cores is not None:  # each start pins this driver to the load core
                     os.sched_setaffinity(0, cores)
                 setup = bench.start_servers(bench_args, stack, root=root,
-                                            limits=args.limits and name == "this")
+                                            limits=args.limits if name == "this" else None)
                 targets.setdefault("direct", setup.targets[0])
                 targets[name] = setup.targets[1]
             found = figures(bench.run_async(measure(args, targets, body, bench_args.warmup)))

@@ -210,3 +210,39 @@ async def test_the_anthropic_client_retries_through_a_token_limit(
     refused = [line for line in metrics.splitlines()
                if line.startswith('igw_rate_limited_total{tier="basic"}')]
     assert refused and float(refused[0].split()[-1]) >= 1  # it was refused, then retried
+
+
+async def test_buckets_that_leave_the_window_take_their_tokens_along(
+        clean_redis: RedisProcess) -> None:
+    """The admission script on its own: a minute window holding 500 tokens from two minutes ago
+    (as a gateway long gone left it) and 50 from now; a new request of 80 against a limit of
+    100 fits once the old bucket is dropped, and the window's figures are what is left."""
+    from proxy.credits.ledger import Ledger
+
+    redis = Redis.from_url(clean_redis.url)
+    ledger = Ledger(redis)
+    keys = AccountKeys.of("acct-trim")
+    minute, buckets = keys.tokens("basic")[:2]
+    now = int((await redis.time())[0])
+    await redis.hset(minute, mapping={str(now - 120): 500, str(now): 50, "t": 550,
+                                      "o": str(now - 120)})
+    await redis.zadd(buckets, {str(now - 120): now - 120, str(now): now})
+
+    async def admit(tokens: int) -> list[int]:
+        answer = await ledger.admit_script(
+            keys=[keys.window("basic"), *keys.tokens("basic"), keys.reservation(f"r{tokens}")],
+            args=[0, 60000, "", 0, 0, "", tokens, 100, 0])
+        return [int(v) for v in answer[:6]]
+
+    try:
+        status, _, _, _, left, _ = await admit(30)
+        assert (status, left) == (1, 100 - 50 - 30)  # the old 500 are gone
+        assert await redis.zrange(buckets, 0, -1) == [str(now).encode()]
+        state = {k.decode(): int(v) for k, v in (await redis.hgetall(minute)).items()}
+        assert state["t"] == 80 and state["o"] == now and str(now - 120) not in state
+        status, *_ = await admit(30)
+        assert status == 4  # 80 + 30 > 100: refused, nothing counted
+        assert int(await redis.hget(minute, "t")) == 80
+    finally:
+        await ledger.close()
+        await redis.aclose()

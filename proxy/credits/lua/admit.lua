@@ -8,7 +8,8 @@
 -- reserves its worst case (an upper bound of its prompt plus its completion cap) at admission,
 -- and its settlement (token_settle.lua) puts the engine's count in its place. Each window is a
 -- hash of buckets (1 s for the minute, 5 min for the day: bucket -> tokens, 't' their total,
--- 'r' what requests in flight still reserve: a hint for Retry-After) and a zset of its buckets. A
+-- 'o' the oldest, and in the first window 'r', what requests in flight still reserve: a hint
+-- for Retry-After) and a zset of its buckets, read only when buckets leave the window. A
 -- window keeps one bucket more than it spans, so it never holds less than the exact sliding
 -- window would (it may refuse a little early, never admit over the limit). What this request
 -- reserved, and where, is kept under its own key until its settlement, so a settlement is
@@ -75,43 +76,50 @@ if tokens > 0 then
   for i, w in ipairs(windows) do
     local cap, size, span, h, z = w[1], w[2], w[3], w[4], w[5]
     local bucket = math.floor(now_s / size)
-    local old = redis.call('ZRANGEBYSCORE', z, '-inf', '(' .. (bucket - span))
-    for _, b in ipairs(old) do  -- buckets that left the window take their tokens with them
-      redis.call('HINCRBY', h, 't', -tonumber(redis.call('HGET', h, b) or '0'))
-      redis.call('HDEL', h, b)
+    local cutoff = bucket - span
+    local got = redis.call('HMGET', h, 't', 'o', 'r')  -- total, oldest bucket, reserved
+    local total = tonumber(got[1] or '0')
+    if got[2] and tonumber(got[2]) < cutoff then  -- buckets that left take their tokens along
+      for _, b in ipairs(redis.call('ZRANGEBYSCORE', z, '-inf', '(' .. cutoff)) do
+        total = total - tonumber(redis.call('HGET', h, b) or '0')
+        redis.call('HDEL', h, b)
+      end
+      redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. cutoff)
+      redis.call('HSET', h, 't', total)
+      local first = redis.call('ZRANGE', z, 0, 0)[1]
+      if first then redis.call('HSET', h, 'o', first) else redis.call('HDEL', h, 'o') end
     end
-    if #old > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. (bucket - span)) end
-    local total = tonumber(redis.call('HGET', h, 't') or '0')
     if total + tokens > cap then
       local unspent = limit > 0 and (limit - count) or -1
       if tokens > cap then return {4, unspent, 0, 0, math.max(0, cap - total), -1, ''} end
       -- When enough of the window's tokens have left it; sooner when what is reserved by
       -- requests in flight would make room once they settle (they usually use less).
       local need, freed, at = total + tokens - cap, 0, 0
-      local live = redis.call('ZRANGE', z, 0, -1)
-      for _, b in ipairs(live) do
+      for _, b in ipairs(redis.call('ZRANGE', z, 0, -1)) do
         freed = freed + tonumber(redis.call('HGET', h, b) or '0')
         if freed >= need then
           at = (tonumber(b) + span + 1) * size * 1000 - now_ms
           break
         end
       end
-      local reserved = math.min(total, tonumber(redis.call('HGET', h, 'r') or '0'))
-      if reserved >= need then at = math.min(at, 1000) end
+      if i == 1 and math.min(total, tonumber(got[3] or '0')) >= need then
+        at = math.min(at, 1000)
+      end
       return {4, unspent, 0, 0, math.max(0, cap - total), math.max(at, 1), ''}
     end
     w[6] = tostring(bucket)
     if i == 1 then tokens_left, tokens_reset = cap - total - tokens, 0 end
   end
-  for _, w in ipairs(windows) do
+  for i, w in ipairs(windows) do
     local h, z, b = w[4], w[5], w[6]
-    redis.call('HINCRBY', h, b, ARGV[7])
-    redis.call('HINCRBY', h, 't', ARGV[7])
-    redis.call('HINCRBY', h, 'r', ARGV[7])
-    if redis.call('ZADD', z, b, b) == 1 then  -- a new bucket: the window lives a span more
-      redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)
+    if redis.call('HINCRBY', h, b, ARGV[7]) == tokens then  -- a new bucket (or one at zero)
+      redis.call('ZADD', z, b, b)
+      redis.call('HSETNX', h, 'o', b)
+      redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)  -- the window lives a span more
       redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
     end
+    redis.call('HINCRBY', h, 't', ARGV[7])
+    if i == 1 then redis.call('HINCRBY', h, 'r', ARGV[7]) end  -- the Retry-After hint's
   end
   if #windows > 0 then
     local minute = windows[1][2] == 1 and windows[1][6] or ''
@@ -132,11 +140,11 @@ if ARGV[3] == '' then return {1, remaining, reset, 0, tokens_left, tokens_reset,
 local amount = tonumber(ARGV[4])
 local function unreserve()  -- it will not run: its tokens were never used
   if tokens == 0 then return end
-  for _, w in ipairs(windows) do
+  for i, w in ipairs(windows) do
     local h, b = w[4], w[6]
     redis.call('HINCRBY', h, b, -tokens)
     redis.call('HINCRBY', h, 't', -tokens)
-    redis.call('HINCRBY', h, 'r', -tokens)
+    if i == 1 then redis.call('HINCRBY', h, 'r', -tokens) end
   end
   redis.call('DEL', KEYS[6])
 end

@@ -27,7 +27,7 @@
 -- a string with sprintf on every call, a measurable share of this script's cost.
 local now = redis.call('TIME')
 if ARGV[10] ~= '' and #KEYS >= 13 then  -- its tokens, once, whatever became of its hold
-  settle_tokens(KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13], tonumber(ARGV[10]))
+  settle_tokens(KEYS[9], KEYS[11], KEYS[13], tonumber(ARGV[10]))
 end
 local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'

@@ -2,4 +2,4 @@
 -- settled by settle.lua, in the same step as its charge): token_settle.lua, prepended.
 -- KEYS: minute tokens hash, its buckets zset, day tokens hash, its buckets zset, the request's
 --   reservation. ARGV: tokens used.
-return settle_tokens(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], tonumber(ARGV[1]))
+return settle_tokens(KEYS[1], KEYS[3], KEYS[5], tonumber(ARGV[1]))

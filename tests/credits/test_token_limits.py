@@ -57,6 +57,15 @@ async def post(gw: Any, payload: dict[str, Any], key: str | None = None, path: s
         return r.status, dict(r.headers), await r.json()
 
 
+async def basic_refusals(gw: Any) -> float:
+    """429s the gateway counted for the basic tier (igw_rate_limited_total)."""
+    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/metrics")) as r:
+        metrics = await r.text()
+    refused = [line for line in metrics.splitlines()
+               if line.startswith('igw_rate_limited_total{tier="basic"}')]
+    return float(refused[0].split()[-1]) if refused else 0.0
+
+
 async def window(redis: Redis, account: str) -> dict[str, int]:
     minute = await redis.hgetall(AccountKeys.of(account).tokens("basic")[0])
     return {k.decode(): int(v) for k, v in minute.items()}
@@ -153,11 +162,7 @@ async def test_the_openai_client_retries_through_a_token_limit(
     await client.close()
     assert completion.choices[0].message.content
     assert (await first)[0] == 200
-    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/metrics")) as r:
-        metrics = await r.text()
-    refused = [line for line in metrics.splitlines()
-               if line.startswith('igw_rate_limited_total{tier="basic"}')]
-    assert refused and float(refused[0].split()[-1]) >= 1  # it was refused, then retried
+    assert await basic_refusals(gw) >= 1  # it was refused, then retried
 
 
 async def test_an_async_request_settles_its_tokens_in_the_runner(
@@ -205,11 +210,7 @@ async def test_the_anthropic_client_retries_through_a_token_limit(
             model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "Hello!"}])
     assert message.content
     assert (await first)[0] == 200
-    async with aiohttp.ClientSession() as s, s.get(gw.make_url("/metrics")) as r:
-        metrics = await r.text()
-    refused = [line for line in metrics.splitlines()
-               if line.startswith('igw_rate_limited_total{tier="basic"}')]
-    assert refused and float(refused[0].split()[-1]) >= 1  # it was refused, then retried
+    assert await basic_refusals(gw) >= 1  # it was refused, then retried
 
 
 async def test_buckets_that_leave_the_window_take_their_tokens_along(

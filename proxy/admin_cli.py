@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.exceptions import RedisError
 
 from proxy.config import Config, ConfigError, load_config
-from proxy.credits.budgets import PERIODS, budgets
+from proxy.credits.budgets import PERIODS, budgets, utc_text
 from proxy.credits.ledger import InsufficientCredits, Ledger
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.identity.auth import GUEST_TIER
@@ -211,7 +211,7 @@ async def _print_budgets(ledger: Ledger, account: str) -> None:
         whose = f"key {b.key_id}" if b.key_id else "account"
         print(f"budget: {whose} per {b.period} {format_credits(b.limit)}  spent "
               f"{format_credits(b.spent)}  held {format_credits(b.held)}  resets "
-              f"{b.resets_at.strftime('%Y-%m-%dT%H:%M:%SZ')}")
+              f"{utc_text(b.resets_at)}")
 
 
 async def _credits_budget(args: argparse.Namespace, config: Config, store: KeyStore) -> int:

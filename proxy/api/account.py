@@ -21,7 +21,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy.appkeys import ADMITTER, LEDGER, LIVE, RESPONSE_HEADERS
-from proxy.credits.budgets import Budget, budgets
+from proxy.credits.budgets import Budget, budgets, utc_text
 from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
@@ -56,7 +56,7 @@ def budget_view(budget: Budget) -> dict[str, Any]:
     return {"scope": budget.scope, "key_id": budget.key_id, "period": budget.period,
             "limit": _money(budget.limit), "spent": _money(budget.spent),
             "held": _money(budget.held), "remaining": _money(budget.remaining),
-            "resets_at": budget.resets_at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "resets_at": utc_text(budget.resets_at)}
 
 
 async def account(request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ from limits.aio.strategies import MovingWindowRateLimiter
 from redis.exceptions import RedisError
 
 from proxy.config import TierPolicy
-from proxy.credits.budgets import BudgetExceeded
+from proxy.credits.budgets import BudgetExceeded, utc_text
 from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
@@ -47,6 +47,9 @@ from proxy.store.script_pipe import SERVER_RUN, ScriptPipes
 log = logging.getLogger("proxy.credits.admission")
 
 WINDOW_MS = 60_000
+# The token windows (minute, day): bucket seconds and buckets spanned, as admit.lua and
+# token_settle.lua count them.
+TOKEN_WINDOWS = ((1, 60), (300, 288))
 ADMITTED, LIMITED, INSUFFICIENT, DUPLICATE_HOLD, TOKEN_LIMITED, OVER_BUDGET = 1, 0, 2, 3, 4, 5
 
 
@@ -104,8 +107,7 @@ def _duration(ms: int) -> str:
 
 
 def _rfc3339(at: float) -> str:
-    return datetime.datetime.fromtimestamp(math.ceil(at), datetime.UTC).strftime(
-        "%Y-%m-%dT%H:%M:%SZ")
+    return utc_text(datetime.datetime.fromtimestamp(math.ceil(at), datetime.UTC))
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +195,8 @@ class Admitter:
         store = (self._counters if principal.kind == "guest" else self._ledger.primaries).store
         now = time.time()
         used = []
-        for hash_key, buckets, size, span in ((keys[0], keys[1], 1, 60),
-                                              (keys[2], keys[3], 300, 288)):
+        for (hash_key, buckets), (size, span) in zip((keys[:2], keys[2:]), TOKEN_WINDOWS,
+                                                     strict=True):
             live = [bucket for bucket in await store.zrangebyscore(
                 buckets, int(now // size) - span, "+inf") if isinstance(bucket, bytes | str)]
             counts = await store.hmget(hash_key, live) if live else []

@@ -24,6 +24,7 @@ from proxy.errors import ErrorKind, GatewayError
 
 PERIODS = {"day": "d", "week": "w", "month": "m"}
 _NAMES = {code: name for name, code in PERIODS.items()}
+_EVERY = {"d": "daily", "w": "weekly", "m": "monthly"}
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
@@ -121,16 +122,19 @@ def key_cap_problem(caps: Mapping[str, str], period: str, amount: int, key_id: s
 def over_budget(exc: BudgetExceeded, now_s: float | None = None) -> GatewayError:
     """402 budget_exceeded: which budget, what it has left, and when it resets."""
     scope, _, rest = exc.cap.partition(":")
-    owner, _, code = rest.rpartition(":") if scope == "k" else ("", "", rest)
-    period = _NAMES.get(code, "month")
+    owner, _, code = rest.rpartition(":")  # the script names only caps this module made
     now = time.time() if now_s is None else now_s
-    resets = period_end(code, period_index(code, now)) if code in _NAMES else None
+    resets = period_end(code, period_index(code, now))
     whose = f"key {owner}'s" if scope == "k" else "the account's"
-    every = {"day": "daily", "week": "weekly", "month": "monthly"}[period]
-    when = resets.strftime("%Y-%m-%dT%H:%M:%SZ") if resets else "later"
-    wait = max(1, int(resets.timestamp() - now)) if resets else 3600
+    when = utc_text(resets)
     return GatewayError(
         ErrorKind.BUDGET_EXCEEDED,
         f"this request may cost up to {format_credits(exc.needed)} credits and {whose} "
-        f"{every} budget has {format_credits(max(0, exc.left))} left; it resets at {when}",
-        headers={"Retry-After": str(wait), "X-Budget-Reset": when})
+        f"{_EVERY[code]} budget has {format_credits(max(0, exc.left))} left; it resets at "
+        f"{when}", headers={"Retry-After": str(max(1, int(resets.timestamp() - now))),
+                            "X-Budget-Reset": when})
+
+
+def utc_text(at: datetime.datetime) -> str:
+    """A UTC time as the API writes it (RFC 3339, whole seconds)."""
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")

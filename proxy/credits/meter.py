@@ -33,12 +33,12 @@ from proxy.credits.pricing import (
     ChatUsage,
     Units,
     chat_cost,
-    chat_hold,
-    chat_tokens,
+    chat_worst,
     format_credits,
     prompt_upper_bound,
     units_cost,
     usage_from,
+    worst_cost,
 )
 from proxy.credits.settler import Settler
 from proxy.errors import ErrorKind, GatewayError
@@ -117,9 +117,10 @@ class Metering:
         """A chat request's meter: its worst case is the completion cap times `n` plus a bound
         on the prompt; it is charged the tokens used."""
         rates = prices.for_model(model, mode)
-        worst = chat_hold(rates, body, cap) if principal.kind != "guest" else 0
-        meter = self._open(prices, rates, principal, model, mode, route, request_id, worst, body)
-        meter.tokens = chat_tokens(body, cap)
+        worst = chat_worst(body, cap)
+        hold = worst_cost(rates, worst) if principal.kind != "guest" else 0
+        meter = self._open(prices, rates, principal, model, mode, route, request_id, hold, body)
+        meter.tokens = worst.prompt_tokens + worst.completion_tokens
         return meter
 
     def units(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,

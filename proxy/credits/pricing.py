@@ -50,21 +50,29 @@ def chat_cost(rates: Rates, usage: ChatUsage) -> int:
     return -(-exact // 1000)
 
 
-def chat_hold(rates: Rates, body: dict[str, Any], max_tokens: int) -> int:
-    """The worst case: every prompt token at the dearer of the two prompt prices."""
+def chat_worst(body: dict[str, Any], max_tokens: int) -> ChatUsage:
+    """The most a chat request can use: a bound on its prompt, and its cap for each of its
+    `n` choices (one walk of the body for its hold and its token reservation)."""
     choices = body.get("n")
     n = choices if isinstance(choices, int) and choices > 0 else 1
-    exact = (prompt_upper_bound(body) * max(rates.prompt_per_1k_tokens, cached_prompt_price(rates))
-             + max_tokens * n * rates.completion_per_1k_tokens)
+    return ChatUsage(prompt_upper_bound(body), max_tokens * n)
+
+
+def worst_cost(rates: Rates, worst: ChatUsage) -> int:
+    """The hold for `worst`: every prompt token at the dearer of the two prompt prices."""
+    exact = (worst.prompt_tokens * max(rates.prompt_per_1k_tokens, cached_prompt_price(rates))
+             + worst.completion_tokens * rates.completion_per_1k_tokens)
     return -(-exact // 1000)
 
 
+def chat_hold(rates: Rates, body: dict[str, Any], max_tokens: int) -> int:
+    return worst_cost(rates, chat_worst(body, max_tokens))
+
+
 def chat_tokens(body: dict[str, Any], max_tokens: int) -> int:
-    """The most tokens a chat request can use: a bound on its prompt, and its cap for each of
-    its `n` choices (what the tier's token limits reserve at admission)."""
-    choices = body.get("n")
-    n = choices if isinstance(choices, int) and choices > 0 else 1
-    return prompt_upper_bound(body) + max_tokens * n
+    """What the tier's token limits reserve at admission."""
+    worst = chat_worst(body, max_tokens)
+    return worst.prompt_tokens + worst.completion_tokens
 
 
 def prompt_upper_bound(body: dict[str, Any]) -> int:

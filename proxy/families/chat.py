@@ -179,7 +179,8 @@ async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
         pool, CHAT_UPSTREAM_PATH,
         lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap,
                                            engine_priority(ctx, backend)), headers,
-        ctx.client_headers, use, affinity(pool, call, ctx.client_headers), ctx.ticket)
+        ctx.client_headers, use, affinity(pool, call, ctx.client_headers), ctx.ticket,
+        ctx.early)
 
 
 async def read_completion(upstream: http1.Response) -> dict[str, Any]:

@@ -20,6 +20,7 @@ The request path and the task runner produce network answers alike (`network_cha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,20 +60,22 @@ class Agreed:
     agreement: dict[str, Any]
 
 
-async def agreed(ctx: Ctx, pool: Pool, run_one: Callable[[Pool], Awaitable[T]],
+async def agreed(ctx: Ctx, pool: Pool, run_one: Callable[[Ctx, Pool], Awaitable[T]],
                  key: Callable[[T], str]) -> Agreed:
-    """Run on distinct backends; the answer a quorum agrees on (502 / the failure otherwise).
-    With the dispatcher, the request waits in its tier's place until every replica has a
-    slot, all taken at once (proxy.upstream.dispatch)."""
+    """Run on distinct backends (each replica on its one-backend pool, with `ctx` carrying its
+    slot); the answer a quorum agrees on (502 / the failure otherwise). With the dispatcher,
+    the request waits in its tier's place until every replica has a slot, all taken at once
+    (proxy.upstream.dispatch)."""
     policy = ctx.policies.requests.network
     dispatcher = ctx.upstreams.dispatcher
     replicas = await dispatcher.acquire_distinct(pool, ctx.ticket, policy.replicas)
     try:
         verdict: Verdict[T] = await run_redundant(
-            replicas, run_one, key=key, quorum=policy.needed,
-            name=lambda replica: replica.backends[0].name)
+            replicas, lambda r: run_one(dataclasses.replace(ctx, early=r[1]), r[0]), key=key,
+            quorum=policy.needed, name=lambda r: r[0].backends[0].name)
     finally:
-        dispatcher.release_unused(replicas)
+        for _, early in replicas:
+            dispatcher.forget(early)  # a replica cancelled before its call: its slot goes back
     if not verdict.agreed:
         failures = [exc for _, exc in verdict.failures]
         if len(failures) == verdict.replicas and isinstance(failures[0], GatewayError):
@@ -91,7 +94,8 @@ async def network_chat(ctx: Ctx, store: TaskStore, account: str, style: ChatStyl
     """The completion a quorum agrees on, rendered in the style with its `task_address`, and
     recorded (the record is the rendered answer); with the engine's usage and the address."""
     seed = ctx.policies.requests.network.seed
-    done = await agreed(ctx, pool, lambda one: fetch_completion(ctx, call, cap, one, seed),
+    done = await agreed(ctx, pool,
+                        lambda one_ctx, one: fetch_completion(one_ctx, call, cap, one, seed),
                         fingerprint)
     rendered = style.response(done.answer, call, task_id, "network")
     rendered["task_address"] = done.address
@@ -103,7 +107,7 @@ async def network_answer(ctx: Ctx, store: TaskStore, account: str, family: Famil
                          pool: Pool, recorded: Callable[[Answer], Any]) -> Answer:
     """The answer (speech, so far) a quorum agrees on, recorded as `recorded(answer)` says,
     with its `X-Task-Address`."""
-    done = await agreed(ctx, pool, lambda one: family.produce(ctx, job, one),
+    done = await agreed(ctx, pool, lambda one_ctx, one: family.produce(one_ctx, job, one),
                         lambda answer: fingerprint(answer.body))
     answer: Answer = done.answer
     await record(ctx, store, account, done, recorded(answer))

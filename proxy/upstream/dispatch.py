@@ -50,16 +50,26 @@ POLL_S = 0.02  # a waiting pool asks for slots freed in other processes this oft
 
 
 class Early:
-    """A slot being taken while admission runs (its round trip in parallel with admission's):
-    the first upstream call uses it; a request that never makes that call gives it back."""
+    """A slot taken before the request's first upstream call, which uses it: taken while
+    admission runs (its round trip in parallel with admission's), or with a network-mode
+    request's other replicas (`held`). A request that never makes that call gives it back
+    (`Dispatcher.forget`)."""
 
     __slots__ = ("pool", "prompt", "task", "used")
 
-    def __init__(self, pool: Pool, prompt: Prompt | None, task: asyncio.Task[Backend]) -> None:
+    def __init__(self, pool: Pool, prompt: Prompt | None,
+                 task: asyncio.Future[Backend]) -> None:
         self.pool = pool
         self.prompt = prompt  # the request's prompt blocks, hashed once
         self.task = task
         self.used = False
+
+    @classmethod
+    def held(cls, pool: Pool, backend: Backend) -> Early:
+        """A slot of `pool` already held on `backend`."""
+        taken: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
+        taken.set_result(backend)
+        return cls(pool, None, taken)
 
     async def take(self) -> Backend:
         self.used = True
@@ -97,8 +107,6 @@ class Dispatcher:
         """A backend of `pool` with a slot held for this request (give it back with
         `release`); 503 when none can be had within the ticket's longest wait. Without a
         ticket (no tier: internal calls), no queue: the pick as before."""
-        if pool.held:
-            return pool.held.pop()
         if ticket is None:
             return pool.pick(exclude=exclude, prompt=prompt)
         waiter = Waiter(ticket, want=Want(prompt, exclude, time.monotonic()))
@@ -107,28 +115,20 @@ class Dispatcher:
         return taken[0]
 
     async def acquire_distinct(self, pool: Pool, ticket: Ticket | None, n: int
-                               ) -> list[Pool]:
+                               ) -> list[tuple[Pool, Early | None]]:
         """`n` distinct backends of `pool` for one network-mode request, as one-backend
-        pools; with the dispatcher, a slot held on each (taken all at once, so two requests
-        never each hold part of what the other needs), waiting in `ticket`'s place until
-        they are free. The slots go to the replicas' calls (`Pool.held`); `release_unused`
-        gives back those a replica never took."""
+        pools; with the dispatcher, each with its slot (taken all at once, so two requests
+        never each hold part of what the other needs, waiting in `ticket`'s place until they
+        are free) for the replica's call to use, or `forget`."""
         if ticket is None or self.ledger is None:
-            return [Pool(pool.model, [b], key=pool.key) for b in pool.pick_distinct(n)]
+            return [(Pool(pool.model, [b], key=pool.key), None) for b in pool.pick_distinct(n)]
         waiter = Waiter(ticket, want=Want(None, None, time.monotonic(), n))
         taken = await self._arrive(pool, waiter) or await self._wait(pool, waiter)
-        replicas = []
+        replicas: list[tuple[Pool, Early | None]] = []
         for backend in taken:
             replica = Pool(pool.model, [backend], key=pool.key)
-            replica.held.append(backend)
-            replicas.append(replica)
+            replicas.append((replica, Early.held(replica, backend)))
         return replicas
-
-    def release_unused(self, replicas: list[Pool]) -> None:
-        """Give back the slots of replicas that never made their call (cancelled first)."""
-        for replica in replicas:
-            while replica.held:
-                self.release(replica, replica.held.pop(), 0.0)
 
     def start(self, pool: Pool, ticket: Ticket | None, prompt: Prompt | None) -> Early | None:
         """Begin taking a slot now, for a request about to be admitted; None without a
@@ -144,7 +144,7 @@ class Dispatcher:
         if early is None or early.used:
             return
 
-        def give_back(task: asyncio.Task[Backend]) -> None:
+        def give_back(task: asyncio.Future[Backend]) -> None:
             if not task.cancelled() and task.exception() is None:
                 self.release(early.pool, task.result(), 0.0)
 

@@ -237,8 +237,8 @@ class Saturation:
 class Pool:
     """The backends that can serve one model for one task family."""
 
-    __slots__ = ("_named", "backends", "held", "index", "key", "model", "on_placed",
-                 "pick_kind", "prefill_s_per_token", "weights")
+    __slots__ = ("_named", "backends", "index", "key", "model", "on_placed", "pick_kind",
+                 "prefill_s_per_token", "weights")
 
     def __init__(self, model: str, backends: Sequence[Backend], pick_kind: PickKind = "p2c",
                  routing: RoutingSection | None = None, key: str | None = None) -> None:
@@ -256,9 +256,6 @@ class Pool:
         # each placement (the other workers: proxy.upstream.prefix_share).
         self.index = PrefixIndex(r.cache_tokens) if pick_kind == "prefix" else None
         self.on_placed: Callable[[Pool, Backend, Prompt], None] | None = None
-        # Slots already taken for this pool's one request (a network-mode replica's, taken
-        # with the others at once): the dispatcher hands them out before taking any.
-        self.held: list[Backend] = []
 
     @property
     def healthy(self) -> bool:

@@ -1,4 +1,5 @@
-"""Operator commands on keys and accounts: `keys create|list|revoke`, `accounts show`.
+"""Operator commands on keys and accounts: `keys create|list|revoke`, `accounts show`,
+`credits ...`, `webhooks add|list|remove|alerts`.
 
 They talk to the gateway's Redis directly (the same store the workers read), found as
 GATEWAY_REDIS_URL, else `[gateway] redis_url`, else the embedded server's unix socket under the
@@ -24,6 +25,7 @@ from proxy.config import Config, ConfigError, load_config
 from proxy.credits.budgets import PERIODS, budgets, utc_text
 from proxy.credits.ledger import InsufficientCredits, Ledger
 from proxy.credits.pricing import format_credits, parse_credits
+from proxy.credits.webhooks import Webhooks
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
 from proxy.store.client import connect_redis
@@ -91,6 +93,30 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     budget.add_argument("--postpaid", choices=("on", "off"),
                         help="on: no balance check, the account runs on its budgets alone")
     _common(budget, _credits_budget)
+    below = credit_commands.add_parser(
+        "alert-below", help="alert (webhooks) when the balance falls under an amount")
+    below.add_argument("--account", required=True)
+    below.add_argument("--amount", metavar="CREDITS", help="the threshold (omit: remove it)")
+    _common(below, _credits_alert_below)
+
+    hooks = subparsers.add_parser(
+        "webhooks", help="endpoints that get budget and balance alerts, and their deliveries")
+    hook_commands = hooks.add_subparsers(title="webhooks commands", required=True)
+    hook_add = hook_commands.add_parser(
+        "add", help="register an endpoint (prints its signing secret, once)")
+    hook_add.add_argument("--url", required=True, help="http(s) URL the alerts are POSTed to")
+    hook_add.add_argument("--account", help="only this account's alerts (default: every one's)")
+    _common(hook_add, _webhooks_add)
+    hook_list = hook_commands.add_parser("list", help="the endpoints (never their secrets)")
+    _common(hook_list, _webhooks_list)
+    hook_remove = hook_commands.add_parser("remove", help="stop sending to an endpoint")
+    hook_remove.add_argument("endpoint_id", metavar="ENDPOINT_ID", help="we_...")
+    _common(hook_remove, _webhooks_remove)
+    hook_alerts = hook_commands.add_parser(
+        "alerts", help="an account's alerts, newest first, with each delivery's state")
+    hook_alerts.add_argument("--account", required=True)
+    hook_alerts.add_argument("--count", type=int, default=20)
+    _common(hook_alerts, _webhooks_alerts)
 
 
 def _common(parser: argparse.ArgumentParser, action: Action) -> None:
@@ -229,6 +255,61 @@ async def _credits_budget(args: argparse.Namespace, config: Config, store: KeySt
         print(f"refused: {exc}", file=sys.stderr)
         return EXIT_FAIL
     await _print_budgets(ledger, args.account)
+    return EXIT_OK
+
+
+async def _credits_alert_below(args: argparse.Namespace, config: Config, store: KeyStore
+                              ) -> int:
+    try:
+        micro = parse_credits(args.amount) if args.amount is not None else None
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    await Ledger(store.redis).set_alert_below(args.account, micro)
+    print(f"{args.account}: " + (f"alerts when the balance falls under {format_credits(micro)}"
+                                 if micro is not None else "no balance alert"))
+    return EXIT_OK
+
+
+async def _webhooks_add(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    if urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).hostname:
+        print("the URL must be http(s)://host/...", file=sys.stderr)
+        return EXIT_USAGE
+    endpoint = await Webhooks(store.redis).add(args.url, args.account)
+    print(endpoint.secret)  # all stdout carries: SECRET=$(... webhooks add ...)
+    print(f"endpoint {endpoint.id} for {args.account or 'every account'}'s alerts; its signing "
+          "secret (printed once) verifies the Igw-Signature header", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _webhooks_list(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    for endpoint in await Webhooks(store.redis).endpoints():
+        whose = "every account" if endpoint.account == "*" else endpoint.account
+        print(f"{endpoint.id}  {whose}  {_iso(endpoint.created)}  {_public_url(endpoint.url)}")
+    return EXIT_OK
+
+
+async def _webhooks_remove(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    if not await Webhooks(store.redis).remove(args.endpoint_id):
+        print("no such endpoint", file=sys.stderr)
+        return EXIT_FAIL
+    print(f"removed {args.endpoint_id}")
+    return EXIT_OK
+
+
+async def _webhooks_alerts(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    for alert in await Webhooks(store.redis).alerts(args.account, max(1, args.count)):
+        body = alert.body
+        what = (f"{body['data']['percent']}% of {body['data']['budget']['scope']} "
+                f"{body['data']['budget']['period']} budget" if body["type"] ==
+                "budget.threshold" else f"balance {body['data']['balance']['credits']}")
+        print(f"{body['id']}  {_iso(body['created'])}  {body['type']}  {what}")
+        for endpoint_id, attempts in sorted(alert.deliveries.items()):
+            print(f"    {endpoint_id}: {attempts.state} after {attempts.attempts} attempt(s)"
+                  + (f", last {attempts.last}" if attempts.last else ""))
+        if not alert.deliveries:
+            print("    due: the sender has not tried it yet" if alert.due
+                  else "    not sent: no endpoint was registered for it")
     return EXIT_OK
 
 

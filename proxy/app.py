@@ -58,6 +58,7 @@ from proxy.credits.idempotency import Keeper
 from proxy.credits.ledger import Ledger
 from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
+from proxy.credits.webhooks import Sender
 from proxy.families.providers import IMAGE, VIDEO
 from proxy.families.speech import OPENAI_SPEECH, TTS
 from proxy.families.transcription import ASR, OPENAI_TRANSCRIPTIONS, OPENAI_TRANSLATIONS
@@ -278,9 +279,12 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
                  asyncio.create_task(sweep_holds(app)),
                  asyncio.create_task(app[SETTLER].run()),
                  asyncio.create_task(sweep_media(app[MEDIA], app[REDIS]))]
+        alerts = Sender(app[REDIS], config.alerts)  # delivers alerts where it holds the lease
+        tasks.append(asyncio.create_task(alerts.run()))
         yield
         for task in tasks:
             await stop_task(task)
+        await alerts.close()
         await app[ADMITTER].close()
         await app[KEEPER].close(timeout_s=5)
         await app[SETTLER].drain(timeout_s=5)  # what is queued lands before the store goes

@@ -18,6 +18,7 @@ of the gateway's but proxy.headers and proxy.validate.
 """
 
 from proxy.config.backends import (
+    AlertsSection,
     BackendsFile,
     BackendSpec,
     GatewaySection,
@@ -78,6 +79,7 @@ __all__ = [
     "POLICY_FILES",
     "STANDARD_GROUP",
     "VOICE_PRESETS",
+    "AlertsSection",
     "AsrRequestPolicy",
     "AuthPolicy",
     "BackendKind",

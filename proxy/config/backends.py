@@ -1,5 +1,6 @@
 """backends.toml: the gateway's own settings ([gateway], [server], [upstream], [health],
-[supervisor], [routing], [media]) and the upstream servers it sends requests to ([[backends]]).
+[supervisor], [routing], [media], [alerts]) and the upstream servers it sends requests to
+([[backends]]).
 """
 
 from __future__ import annotations
@@ -196,6 +197,18 @@ class MediaSection(Section, frozen=True):
     prefix: Annotated[str, msgspec.Meta(pattern="^([A-Za-z0-9._-]+/)*$")] = "igw-media/"
 
 
+class AlertsSection(Section, frozen=True):
+    """Webhook deliveries of budget and balance alerts (proxy.credits.webhooks)."""
+
+    # How often the fleet's sender (one process, leased) looks for alerts due.
+    every_s: Seconds = 1.0
+    # One attempt's deadline: connecting, sending and the receiver's answer.
+    timeout_s: Seconds = 10.0
+    # The waits between attempts; an alert no endpoint accepted after the last is given up.
+    retry_s: Annotated[tuple[Seconds, ...], msgspec.Meta(min_length=1, max_length=20)] = (
+        10.0, 60.0, 300.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 43200.0)
+
+
 class BackendsFile(Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
     server: ServerSection = ServerSection()
@@ -204,4 +217,5 @@ class BackendsFile(Section, frozen=True):
     supervisor: SupervisorSection = SupervisorSection()
     routing: RoutingSection = RoutingSection()
     media: MediaSection = MediaSection()
+    alerts: AlertsSection = AlertsSection()
     backends: list[BackendSpec] = []

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from proxy.config.backends import (
+    AlertsSection,
     BackendsFile,
     BackendSpec,
     GatewaySection,
@@ -45,6 +46,7 @@ class Config(Section, frozen=True):
     supervisor: SupervisorSection
     routing: RoutingSection
     media: MediaSection
+    alerts: AlertsSection
     backends: tuple[BackendSpec, ...]
     policies: Policies
 
@@ -118,6 +120,7 @@ def load_config(folder: str | Path = ".") -> Config:
         supervisor=backends.supervisor,
         routing=backends.routing,
         media=backends.media,
+        alerts=backends.alerts,
         backends=tuple(backends.backends),
         policies=Policies(**policies),
     )

@@ -153,7 +153,7 @@ class Admitter:
                 await self._index(principal.account)
                 answer = await self._keyed.call(
                     self._admit, [*window_keys, keys.balance, keys.holds, keys.hold_expiry,
-                                  *keys.budgets], [*args, principal.key_id or ""])
+                                  *keys.budgets, *keys.alerts], [*args, principal.key_id or ""])
         except StoreBusy:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is busy; try again shortly",
                                headers={"Retry-After": "1"}) from None

@@ -2,7 +2,8 @@
 calendar month, on top of the prepaid balance (or instead of it: a postpaid account). No I/O.
 
     caps      igw:{A}:caps      'a:d' | 'a:w' | 'a:m' (the account's), 'k:<key id>:d' ... (a
-                                key's), in micro-credits; 'postpaid' = '1' (no balance check)
+                                key's), in micro-credits; 'postpaid' = '1' (no balance check);
+                                'below': the balance alerts' threshold (credits.alerts)
     spent     igw:{A}:capspent  '<cap>:<period number>' -> charged in that period (persisted)
     held      igw:{A}:capheld   the same fields -> what holds count against it now (soft)
 
@@ -23,7 +24,7 @@ from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind, GatewayError
 
 PERIODS = {"day": "d", "week": "w", "month": "m"}
-_NAMES = {code: name for name, code in PERIODS.items()}
+PERIOD_NAMES = {code: name for name, code in PERIODS.items()}
 _EVERY = {"d": "daily", "w": "weekly", "m": "monthly"}
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
@@ -91,13 +92,13 @@ def budgets(caps: Mapping[str, str], spent: Mapping[str, str], held: Mapping[str
             if key_id is not None and owner != key_id:
                 continue
         else:
-            continue  # 'postpaid'
-        if code not in _NAMES:
+            continue  # 'postpaid', 'below'
+        if code not in PERIOD_NAMES:
             continue
         index = period_index(code, now_s)
         field = f"{name}:{index}"
-        found.append(Budget("key" if owner else "account", owner, _NAMES[code], int(value),
-                            int(spent.get(field, 0)), int(held.get(field, 0)),
+        found.append(Budget("key" if owner else "account", owner, PERIOD_NAMES[code],
+                            int(value), int(spent.get(field, 0)), int(held.get(field, 0)),
                             period_end(code, index)))
     return found
 

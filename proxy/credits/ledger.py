@@ -47,6 +47,7 @@ from proxy.store.script_pipe import SERVER_RUN
 log = logging.getLogger("proxy.credits.ledger")
 
 ACCOUNTS = "igw:ledger:accounts"
+WATCHED = "igw:alerts:accounts"  # accounts that may record alerts (proxy.credits.webhooks)
 HOLDS_TAG = "@run"  # in an account's holds hash: the run id of the Redis that placed them
 Arg = bytes | str | int | float  # what a script's ARGV takes
 # Journal fields that are numbers; every other field is text, and `details` is a JSON object.
@@ -66,6 +67,8 @@ def lua_script(name: str) -> str:
         source = (folder / "soft_state.lua").read_text() + "\n" + source
     if name == "admit":
         source = (folder / "periods.lua").read_text() + "\n" + source
+    if name in ("admit", "settle"):
+        source = (folder / "alerts.lua").read_text() + "\n" + source
     if name in ("settle", "tokens"):
         source = (folder / "token_settle.lua").read_text() + "\n" + source
     return source
@@ -105,6 +108,18 @@ class AccountKeys:
         base = self.balance[:-3]
         return [base + "caps", base + "capspent", base + "capheld"]
 
+    @property
+    def alerts(self) -> list[str]:
+        """The alerts recorded (a stream, persisted), those due for delivery (zset: stream id
+        -> when), and what was last alerted (hash): lua/alerts.lua, proxy.credits.alerts."""
+        base = self.balance[:-3]
+        return [base + "alerts", base + "alerts_due", base + "alerted"]
+
+    @property
+    def deliveries(self) -> str:
+        """Each alert's delivery to each endpoint (hash: stream id -> JSON)."""
+        return self.balance[:-3] + "alerts_sent"
+
 
 @dataclass(frozen=True, slots=True)
 class Balance:
@@ -125,18 +140,18 @@ def new_hold_id() -> str:
     return hex_id()
 
 
-def _text(value: object) -> str:
+def as_text(value: object) -> str:
     """redis-py answers bytes (or str); this module speaks str."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _fields(raw: object) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+def as_fields(raw: object) -> dict[str, str]:
+    return {as_text(k): as_text(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
 def journal_entry(raw: object) -> dict[str, Any]:
     """A journal entry as JSON-ready data: numbers as numbers, `details` merged in."""
-    fields = _fields(raw)
+    fields = as_fields(raw)
     details = fields.pop("details", "{}")
     entry: dict[str, Any] = {k: int(v) if k in _NUMBERS else v for k, v in fields.items()}
     parsed = orjson.loads(details)
@@ -186,7 +201,7 @@ class Ledger:
         await self.redis.sadd(ACCOUNTS, account)
         status, _, _, available, _, _, _ = await self.admit_script(
             keys=[keys.window("none"), *keys.tokens("none"), keys.reservation(hold_id),
-                  keys.balance, keys.holds, keys.hold_expiry, *keys.budgets],
+                  keys.balance, keys.holds, keys.hold_expiry, *keys.budgets, *keys.alerts],
             args=[0, 0, hold_id, amount, ttl_s, "", 0, 0, 0, ""])
         if status != 1:
             raise InsufficientCredits(int(available), amount)
@@ -215,7 +230,7 @@ class Ledger:
 
     async def balance(self, account: str) -> Balance:
         await self.forget_stale_holds(account)
-        raw = _fields(await self.redis.hgetall(AccountKeys.of(account).balance))
+        raw = as_fields(await self.redis.hgetall(AccountKeys.of(account).balance))
         get = {k: int(v) for k, v in raw.items()}
         return Balance(get.get("available", 0), get.get("held", 0), get.get("spent", 0),
                        get.get("credited", 0))
@@ -230,7 +245,7 @@ class Ledger:
             for key in (caps, spent, held):
                 pipe.hgetall(key)
             raw = await pipe.execute()
-        return _fields(raw[0]), _fields(raw[1]), _fields(raw[2])
+        return as_fields(raw[0]), as_fields(raw[1]), as_fields(raw[2])
 
     async def set_budget(self, account: str, period: str, amount: int | None,
                          key_id: str | None = None) -> None:
@@ -241,11 +256,21 @@ class Ledger:
         if amount is None:
             await self.redis.hdel(caps_key, name)
             return
-        problem = key_cap_problem(_fields(await self.redis.hgetall(caps_key)), period, amount,
+        problem = key_cap_problem(as_fields(await self.redis.hgetall(caps_key)), period, amount,
                                   key_id)
         if problem:
             raise ValueError(problem)
         await self.redis.hset(caps_key, name, amount)
+        await self.redis.sadd(WATCHED, account)
+
+    async def set_alert_below(self, account: str, amount: int | None) -> None:
+        """Alert when the account's balance falls under `amount` (None: never)."""
+        caps_key = AccountKeys.of(account).budgets[0]
+        if amount is None:
+            await self.redis.hdel(caps_key, "below")
+            return
+        await self.redis.hset(caps_key, "below", amount)
+        await self.redis.sadd(WATCHED, account)
 
     async def set_postpaid(self, account: str, postpaid: bool) -> None:
         """A postpaid account runs on its budgets alone: no balance check, what it is charged
@@ -260,7 +285,7 @@ class Ledger:
         """Release expired holds in every account; returns how many were released."""
         released = 0
         async for raw in self.redis.sscan_iter(ACCOUNTS):
-            keys = AccountKeys.of(_text(raw))
+            keys = AccountKeys.of(as_text(raw))
             released += int(await self._sweep(
                 keys=[keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.ended,
                       keys.budgets[2]]))
@@ -272,7 +297,7 @@ class Ledger:
         end = f"({before}" if before else "+"
         rows = await self.redis.xrevrange(AccountKeys.of(account).journal, max=end, min="-",
                                           count=count)
-        return [(_text(i), journal_entry(f)) for i, f in rows or ()]
+        return [(as_text(i), journal_entry(f)) for i, f in rows or ()]
 
     async def all_entries(self, account: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -283,22 +308,22 @@ class Ledger:
             out.extend(journal_entry(f) for _, f in rows)
             if len(rows) < 1000:
                 return out
-            start = "(" + _text(rows[-1][0])
+            start = "(" + as_text(rows[-1][0])
 
     async def usage_totals(self, account: str) -> dict[str, int]:
         """The running totals the settle script keeps (field -> integer)."""
-        raw = _fields(await self.redis.hgetall(AccountKeys.of(account).usage))
+        raw = as_fields(await self.redis.hgetall(AccountKeys.of(account).usage))
         return {k: int(v) for k, v in raw.items()}
 
     async def accounts(self) -> list[str]:
-        return sorted(_text(m) for m in await self.redis.smembers(ACCOUNTS))
+        return sorted(as_text(m) for m in await self.redis.smembers(ACCOUNTS))
 
     async def open_holds(self, account: str) -> dict[str, int]:
         """Open holds: hold id -> expiry (unix seconds)."""
         await self.forget_stale_holds(account)
         rows = await self.redis.zrange(AccountKeys.of(account).hold_expiry, 0, -1,
                                        withscores=True)
-        return {_text(row[0]): int(row[1]) for row in rows}
+        return {as_text(row[0]): int(row[1]) for row in rows}
 
     async def reconcile(self, accounts: Iterable[str] | None = None) -> list[str]:
         """Every way the ledger could disagree with itself; empty when it adds up. Holds past
@@ -312,13 +337,13 @@ class Ledger:
     async def _reconcile_one(self, account: str, now: int) -> list[str]:
         keys = AccountKeys.of(account)
         await self.forget_stale_holds(account)
-        raw = {k: int(v) for k, v in _fields(await self.redis.hgetall(keys.balance)).items()}
+        raw = {k: int(v) for k, v in as_fields(await self.redis.hgetall(keys.balance)).items()}
         bal = Balance(raw.get("available", 0), raw.get("held", 0), raw.get("spent", 0),
                       raw.get("credited", 0))
-        holds = _fields(await self.redis.hgetall(keys.holds))
+        holds = as_fields(await self.redis.hgetall(keys.holds))
         holds.pop(HOLDS_TAG, None)  # the run id the holds were placed under, not a hold
         rows = await self.redis.zrange(keys.hold_expiry, 0, -1, withscores=True)
-        expiries = {_text(row[0]): int(row[1]) for row in rows}  # stale ones forgotten above
+        expiries = {as_text(row[0]): int(row[1]) for row in rows}  # stale ones forgotten above
         entries = await self.all_entries(account)
         credited = raw.get("trimmed_credited", 0) + sum(
             e["amount"] for e in entries if e.get("type") == "credit")
@@ -364,7 +389,7 @@ def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, m
     for unit, count in units.items():
         args += (unit, count)
     names = [keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended,
-             *keys.budgets[1:]]
+             *keys.budgets[1:], keys.budgets[0], *keys.alerts]
     if tokens:
         names += [*keys.tokens(tokens[0]), keys.reservation(tokens[1])]
     return names, args

@@ -80,16 +80,15 @@ def write_config(
     policies: dict[str, str] | None = None,
     media: dict[str, Any] | None = None,
     routing: dict[str, Any] | None = None,
+    alerts: dict[str, Any] | None = None,
 ) -> Path:
     """A config folder as an operator writes it: backends.toml plus policies/*.toml."""
     lines = ["[gateway]"] + [f"{k} = {toml_value(v)}" for k, v in (gateway or {}).items()]
-    if server:
-        lines += ["", "[server]"] + [f"{k} = {toml_value(v)}" for k, v in server.items()]
     lines += ["", "[upstream]"] + [f"{k} = {toml_value(v)}" for k, v in (upstream or {}).items()]
-    if routing:
-        lines += ["", "[routing]"] + [f"{k} = {toml_value(v)}" for k, v in routing.items()]
-    if media:
-        lines += ["", "[media]"] + [f"{k} = {toml_value(v)}" for k, v in media.items()]
+    for name, table in (("server", server), ("routing", routing), ("media", media),
+                        ("alerts", alerts)):
+        if table:
+            lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in table.items()]
     for backend in backends:
         lines += ["", "[[backends]]"] + [f"{k} = {toml_value(v)}" for k, v in backend.items()]
     folder.mkdir(parents=True, exist_ok=True)

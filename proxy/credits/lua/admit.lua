@@ -31,7 +31,8 @@
 -- KEYS: request window zset, minute tokens hash, its buckets zset, day tokens hash, its buckets
 --   zset, this request's reservation (all under the account's tag), then, with a hold: balance
 --   hash, holds hash, hold expiry zset, budgets hash (caps), budgets spent hash, budget holds
---   hash
+--   hash, alerts stream, alerts due zset, alerted hash (a cap's first refusal in a period is
+--   an alert: alerts.lua, prepended)
 -- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s, this Redis
 --   process's run id (the connection's; '' to ask the server), tokens to reserve, tokens a
 --   minute (0: no limit), tokens a day (0: no limit), the key's id ('' for none)
@@ -160,10 +161,11 @@ for i, name in ipairs(names) do
   if cap then
     local index = period_index(string.sub(name, -1), now_s)
     local field = name .. ':' .. index
-    local used = tonumber(redis.call('HGET', KEYS[11], field) or '0')
-                 + tonumber(redis.call('HGET', KEYS[12], field) or '0')
+    local spent = tonumber(redis.call('HGET', KEYS[11], field) or '0')
+    local used = spent + tonumber(redis.call('HGET', KEYS[12], field) or '0')
     if used + amount > tonumber(cap) then
       unreserve()
+      alert_budget(KEYS[10], KEYS[13], KEYS[14], KEYS[15], field, spent, 0, used - spent, true)
       return {5, remaining, reset, tonumber(cap) - used, tokens_left, tokens_reset, name}
     end
     budgets[#budgets + 1] = field

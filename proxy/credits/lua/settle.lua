@@ -12,10 +12,14 @@
 -- Holds another Redis process placed are forgotten first (soft_state.lua, prepended): a
 -- request that was running when Redis restarted goes the "forgotten by a restart" way.
 --
+-- A charge that takes a budget's spend across 50, 80 or 100 % of its cap, or the balance under
+-- the account's threshold, records an alert in the same step (alerts.lua, prepended).
+--
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset,
---       budgets spent hash, budget holds hash, then, for a request that reserved tokens (the
---       tier's token limits): minute tokens hash, its buckets zset, day tokens hash, its
---       buckets zset, its reservation (token_settle.lua, prepended)
+--       budgets spent hash, budget holds hash, budgets hash (caps), alerts stream, alerts due
+--       zset, alerted hash, then, for a request that reserved tokens (the tier's token
+--       limits): minute tokens hash, its buckets zset, day tokens hash, its buckets zset, its
+--       reservation (token_settle.lua, prepended)
 -- ARGV: hold id ('' for none), cost, amount held, status, model, details (JSON), journal
 --       entries kept, journal ttl s (0: none), this Redis process's run id (the connection's;
 --       '' to ask the server), tokens used ('' without a reservation), then pairs of (usage
@@ -26,8 +30,8 @@
 -- Figures go to redis.call as the strings they came in where they can: Lua turns a number into
 -- a string with sprintf on every call, a measurable share of this script's cost.
 local now = redis.call('TIME')
-if ARGV[10] ~= '' and #KEYS >= 13 then  -- its tokens, once, whatever became of its hold
-  settle_tokens(KEYS[9], KEYS[11], KEYS[13], tonumber(ARGV[10]))
+if ARGV[10] ~= '' and #KEYS >= 17 then  -- its tokens, once, whatever became of its hold
+  settle_tokens(KEYS[13], KEYS[15], KEYS[17], tonumber(ARGV[10]))
 end
 local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'
@@ -53,14 +57,16 @@ if ARGV[1] ~= '' then
     redis.set_repl(redis.REPL_ALL)
     if budgets and charge > 0 then  -- what it cost counts against the budgets it was held in
       for field in string.gmatch(budgets, '[^,]+') do
-        redis.call('HINCRBY', KEYS[7], field, charge)
+        local spent = redis.call('HINCRBY', KEYS[7], field, charge)
         local name, index = string.match(field, '^(.*):(%d+)$')
         redis.call('HDEL', KEYS[7], name .. ':' .. (tonumber(index) - 2))  -- periods long over
+        alert_budget(KEYS[9], KEYS[10], KEYS[11], KEYS[12], field, spent, charge, 0, false)
       end
     end
   end
   redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)  -- never -0
   redis.call('HINCRBY', KEYS[1], 'spent', charge)
+  if charge > 0 then alert_balance(KEYS[1], KEYS[9], KEYS[10], KEYS[11], KEYS[12], charge) end
   -- Ended ids are kept two minutes: longer than any retry of a settlement.
   redis.call('ZADD', KEYS[6], now[1], ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', tonumber(now[1]) - 120)

@@ -48,6 +48,7 @@ log = logging.getLogger("proxy.credits.webhooks")
 ENDPOINTS = "igw:alerts:endpoints"
 BATCH = 20  # alerts per account per round
 SENDING = 8  # deliveries in flight at once
+LOOKUPS = 1000  # accounts looked up in one pipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +129,18 @@ class Sender:
         """Attempt every alert due now; returns how many attempts were made."""
         now = time.time() if now_s is None else now_s
         endpoints = await Webhooks(self.redis).endpoints()
+        accounts = sorted(as_text(raw) for raw in await self.redis.smembers(WATCHED))
         jobs = []
-        for raw in await self.redis.smembers(WATCHED):
-            account = as_text(raw)
-            due_key = AccountKeys.of(account).alerts[1]
-            for entry_id in await self.redis.zrangebyscore(due_key, "-inf", now, start=0,
-                                                           num=BATCH):
+        for start in range(0, len(accounts), LOOKUPS):  # one pipeline per thousand accounts
+            chunk = accounts[start:start + LOOKUPS]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for account in chunk:
+                    pipe.zrangebyscore(AccountKeys.of(account).alerts[1], "-inf", now,
+                                       start=0, num=BATCH)
+                found = await pipe.execute()
+            for account, entry_ids in zip(chunk, found, strict=True):
                 targets = [e for e in endpoints if e.wants(account)]
-                jobs.append(self._deliver(account, as_text(entry_id), targets, now))
+                jobs += [self._deliver(account, as_text(i), targets, now) for i in entry_ids]
         return sum(await asyncio.gather(*jobs))
 
     async def _deliver(self, account: str, entry_id: str, targets: Sequence[Endpoint],

@@ -27,9 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
+from proxy.credits.alerts import event_id
 from proxy.credits.ledger import AccountKeys, Ledger
+from proxy.credits.webhooks import Webhooks
 from proxy.store.client import connect_redis
 from tests.support.config_files import MODEL
 from tests.support.fleet import ADMIN, REPO, Stack
@@ -173,7 +178,19 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         assert int(await redis.hget(minute, "t") or 0) == used <= 300
 
         # A monthly budget worth a few requests, drawn on by all at once: never passed, and
-        # every refusal is the budget's own 402.
+        # every refusal is the budget's own 402. Its alerts (50, 80, 100 %) reach a receiver
+        # once each, from whichever of the six processes holds the sender's lease.
+        received: Counter[str] = Counter()
+
+        async def receive(request: web.Request) -> web.Response:
+            received[orjson.loads(await request.read())["id"]] += 1
+            return web.Response(status=204)
+
+        hooks = web.Application()
+        hooks.router.add_post("/", receive)
+        receiver = TestServer(hooks)
+        await receiver.start_server()
+        await Webhooks(redis).add(str(receiver.make_url("/")), "acct-capped")
         async with aiohttp.ClientSession() as session:
             capped = await new_account(session, urls[0], "acct-capped", "max", "1000")
             await admin(session, urls[1], "/admin/accounts/acct-capped/budgets",
@@ -187,6 +204,16 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         capped_spend = sum(int(e["cost"]) for e in await charges(ledger, "acct-capped"))
         assert 0 < capped_spend <= 1500 and len(await charges(ledger, "acct-capped")) == \
             statuses[200]
+        alerts = {event_id("acct-capped", i.decode()) for i, _ in await redis.xrange(
+            AccountKeys.of("acct-capped").alerts[0])}
+        assert len(alerts) >= 2, alerts  # 100 % (refused) and 50 % at least
+        deadline = time.monotonic() + 15
+        while set(received) != alerts:
+            assert time.monotonic() < deadline, (received, alerts)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)  # a second sender's duplicate would land by now
+        assert received == dict.fromkeys(alerts, 1), received
+        await receiver.close()
 
         # One balance, drawn on by all: holds stop it short of zero; nothing over-spent.
         statuses = Counter(status for status, _ in await asyncio.gather(

@@ -245,3 +245,34 @@ def test_the_shipped_config_forwards_no_client_header() -> None:
     assert [b.forward_headers for b in load_config(ROOT).backends if b.forward_headers] == []
     faults = load_config(ROOT / "deploy" / "sim-faults")
     assert [b.forward_headers for b in faults.backends] == [["x-sim-*"]]
+
+
+def test_group_token_limits_name_known_groups(tmp_path: Path) -> None:
+    tiers = """
+[groups]
+large = ["acme/big"]
+[tiers.guest]
+requests_per_minute = 3
+families = ["chat"]
+models = { "*" = ["direct"] }
+[tiers.pro]
+requests_per_minute = 60
+families = ["chat"]
+models = { "*" = ["direct"] }
+output_tokens_per_minute = 5000
+[tiers.pro.group_tokens.large]
+tokens_per_minute = 20000
+input_tokens_per_day = 100000
+[tiers.pro.group_tokens.nonesuch]
+tokens_per_minute = 1
+"""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, MINIMAL, tiers=tiers))
+    assert caught.value.problems == [
+        "policies/tiers.toml: tiers.pro.group_tokens.nonesuch: unknown model group (the tier's "
+        "own limits count every model)"]
+    valid = tiers.split("[tiers.pro.group_tokens.n")[0]
+    config = load_config(write(tmp_path, MINIMAL, tiers=valid))
+    pro = config.policies.tiers.tiers["pro"]
+    assert pro.group_tokens["large"].input_tokens_per_day == 100000
+    assert pro.output_tokens_per_minute == 5000

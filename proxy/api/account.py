@@ -2,7 +2,8 @@
 rate limit like any request (they read the store, so they must not be free to hammer).
 
     GET  /v2/account        tier, balance (available / held / spent), rate limit left, the
-                            token windows (tokens a minute and a day: limit, used, remaining),
+                            token windows (the tier's and each model group's: kind, period,
+                            limit, used, remaining),
                             the budgets (the account's and the key's: limit, spent, held,
                             remaining, when it resets)
     GET  /v2/account/usage  totals, per model, per day (running totals the settlement keeps), and
@@ -23,6 +24,7 @@ from redis.exceptions import RedisError
 from proxy.appkeys import ADMITTER, LEDGER, LIVE, RESPONSE_HEADERS
 from proxy.credits.budgets import Budget, budgets, utc_text
 from proxy.credits.pricing import format_credits
+from proxy.credits.token_windows import ALL_MODELS, all_token_windows
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
 from proxy.policy.tiers import tier_of
@@ -69,16 +71,14 @@ async def account(request: web.Request) -> web.Response:
         raise store_unavailable("account store") from None
     limits = request[RESPONSE_HEADERS]
     tier = snapshot.policies.tiers.tiers.get(principal.tier)
-    tokens: dict[str, Any] = {}
-    if tier is not None and (tier.tokens_per_minute or tier.tokens_per_day):
-        try:
-            minute, day = await request.app[ADMITTER].tokens_used(principal, principal.tier)
-        except RedisError:
-            raise store_unavailable("account store") from None
-        for name, cap, used in (("per_minute", tier.tokens_per_minute, minute),
-                                ("per_day", tier.tokens_per_day, day)):
-            if cap:
-                tokens[name] = {"limit": cap, "used": used, "remaining": max(0, cap - used)}
+    windows = all_token_windows(tier) if tier is not None else ()
+    try:
+        used = await request.app[ADMITTER].tokens_used(principal, principal.tier, windows)
+    except RedisError:
+        raise store_unavailable("account store") from None
+    tokens = [{"group": None if w.scope == ALL_MODELS else w.scope, "kind": w.kind,
+               "period": w.period, "limit": w.limit, "used": n,
+               "remaining": max(0, w.limit - n)} for w, n in zip(windows, used, strict=True)]
     return _json({
         "account": principal.account,
         "tier": principal.tier,
@@ -88,7 +88,8 @@ async def account(request: web.Request) -> web.Response:
         "rate_limit": {"limit": int(limits["X-RateLimit-Limit"]),
                        "remaining": int(limits["X-RateLimit-Remaining"]),
                        "reset_s": int(limits["X-RateLimit-Reset"]), "per": "minute"},
-        # chat tokens in the tier's windows (reserved by requests in flight, or used)
+        # chat tokens in each of the tier's windows (reserved by requests in flight, or used):
+        # the tier's own (group null) and each model group's
         "token_limits": tokens,
         # spend caps that reset: the account's and this key's
         "budgets": [budget_view(b) for b in budgets(caps, spent, held, time.time(),

@@ -83,14 +83,14 @@ class RateLimitView(msgspec.Struct, kw_only=True):
 
 
 class TokenWindow(msgspec.Struct, kw_only=True):
+    group: Annotated[str | None, Meta(
+        description="The model group it counts (null: the tier's, every model)")]
+    kind: Annotated[Literal["tokens", "input_tokens", "output_tokens"], Meta(
+        description="Prompt + completion tokens, or the prompt's or the completion's alone")]
+    period: Literal["minute", "day"]
     limit: int
     used: Annotated[int, Meta(description="Reserved by requests in flight, or used")]
     remaining: int
-
-
-class TokenLimitsView(msgspec.Struct, kw_only=True):
-    per_minute: TokenWindow | None = None
-    per_day: TokenWindow | None = None
 
 
 class BudgetView(msgspec.Struct, kw_only=True):
@@ -110,8 +110,8 @@ class AccountView(msgspec.Struct, kw_only=True):
     key_id: str | None
     balance: Balance
     rate_limit: RateLimitView
-    token_limits: Annotated[TokenLimitsView, Meta(
-        description="The tier's chat token limits (empty when it has none)")]
+    token_limits: Annotated[list[TokenWindow], Meta(
+        description="The tier's chat token windows (empty when it has none)")]
     budgets: Annotated[list[BudgetView], Meta(
         description="Spend caps that reset each UTC day, week (from Monday) or month: the "
                     "account's and the calling key's")]

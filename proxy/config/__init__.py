@@ -57,6 +57,7 @@ from proxy.config.policies import (
     TasksPolicy,
     TierPolicy,
     TiersPolicy,
+    TokenLimits,
     TtsRequestPolicy,
 )
 from proxy.config.vocabulary import (
@@ -119,6 +120,7 @@ __all__ = [
     "TasksPolicy",
     "TierPolicy",
     "TiersPolicy",
+    "TokenLimits",
     "TtsRequestPolicy",
     "UpstreamSection",
     "Weight",

@@ -158,6 +158,10 @@ def check_tiers(tiers: TiersPolicy) -> list[str]:
         for group in tier.models:
             if group not in known:
                 problems.append(f"{where}: tiers.{name}.models.{group}: unknown model group")
+        for group in tier.group_tokens:
+            if group not in known - {ANY_GROUP}:
+                problems.append(f"{where}: tiers.{name}.group_tokens.{group}: unknown model "
+                                "group (the tier's own limits count every model)")
     owner: dict[str, str] = {}
     for group, models in tiers.groups.items():
         if group in (STANDARD_GROUP, ANY_GROUP):

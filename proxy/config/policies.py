@@ -169,18 +169,36 @@ STANDARD_GROUP = "standard"  # the group of every model no `[groups]` entry name
 ANY_GROUP = "*"
 
 
-class TierPolicy(Section, frozen=True):
+TokensPerMinute = Annotated[int, msgspec.Meta(ge=1, le=10**10)] | None
+TokensPerDay = Annotated[int, msgspec.Meta(ge=1, le=10**12)] | None
+
+
+class TokenLimits(Section, frozen=True):
+    """Chat tokens in any minute and any day, across every gateway: prompt + completion,
+    and the prompt's (input) and the completion's (output) on their own. A request reserves
+    its worst case at admission and the engine's count replaces it at settlement
+    (proxy.credits.token_windows). Unset: no such limit."""
+
+    tokens_per_minute: TokensPerMinute = None
+    tokens_per_day: TokensPerDay = None
+    input_tokens_per_minute: TokensPerMinute = None
+    input_tokens_per_day: TokensPerDay = None
+    output_tokens_per_minute: TokensPerMinute = None
+    output_tokens_per_day: TokensPerDay = None
+
+
+class TierPolicy(TokenLimits, frozen=True, kw_only=True):
+    """A tier; its token limits (TokenLimits' fields) count its requests to every model, and
+    `group_tokens` adds limits on one model group's."""
+
     requests_per_minute: PerMinute
     families: list[Family]
     # model group (or "*") -> the modes this tier may use its models in
     models: dict[str, list[Mode]]
     # Largest completion a request may ask for; a request that names none gets this as its cap.
     max_tokens_per_request: Annotated[int, msgspec.Meta(ge=1, le=128_000)] | None = None
-    # Chat tokens (prompt + completion) in any minute and any day, across every gateway; a
-    # request reserves its worst case at admission and the engine's count replaces it at
-    # settlement. Unset: no token limit.
-    tokens_per_minute: Annotated[int, msgspec.Meta(ge=1, le=10**10)] | None = None
-    tokens_per_day: Annotated[int, msgspec.Meta(ge=1, le=10**12)] | None = None
+    # model group -> token limits on its models alone, on top of the tier's own
+    group_tokens: dict[str, TokenLimits] = {}
     # When Redis is unreachable: "open" admits up to the per-process fallback rate, "closed"
     # answers 503 with Retry-After.
     store_down: Literal["open", "closed"] = "open"

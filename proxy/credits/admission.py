@@ -38,7 +38,8 @@ from redis.exceptions import RedisError
 
 from proxy.config import TierPolicy
 from proxy.credits.budgets import BudgetExceeded, utc_text
-from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger
+from proxy.credits.ledger import ACCOUNTS, AccountKeys, InsufficientCredits, Ledger, Reserved
+from proxy.credits.token_windows import BUCKETS, TokenWindow, tightest
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.identity.principal import Principal
 from proxy.store.client import Primaries, Store, StoreBusy
@@ -47,9 +48,6 @@ from proxy.store.script_pipe import SERVER_RUN, ScriptPipes
 log = logging.getLogger("proxy.credits.admission")
 
 WINDOW_MS = 60_000
-# The token windows (minute, day): bucket seconds and buckets spanned, as admit.lua and
-# token_settle.lua count them.
-TOKEN_WINDOWS = ((1, 60), (300, 288))
 ADMITTED, LIMITED, INSUFFICIENT, DUPLICATE_HOLD, TOKEN_LIMITED, OVER_BUDGET = 1, 0, 2, 3, 4, 5
 
 
@@ -61,37 +59,40 @@ class Window:
     remaining: int
     reset_s: int  # seconds until the window frees a slot
     degraded: bool = False  # decided by the per-process fallback (Redis unreachable)
-    tokens_limit: int = 0  # tokens a minute (a day, when only that is set); 0: no token limit
-    tokens_remaining: int = 0
+    tokens: tuple[tuple[TokenWindow, int], ...] = ()  # each token window, tokens remaining
     tokens_reset_ms: int = 0  # until the token window has room again (0: it has now)
 
     def headers(self, style: str = "") -> dict[str, str]:
         """Today's X-RateLimit-* and the ones the official clients read: OpenAI's
         x-ratelimit-* (durations), or Anthropic's anthropic-ratelimit-* (RFC 3339 times) for
-        the Messages route."""
+        the Messages route. Token figures are the tightest window's (of each kind, for
+        Anthropic's input and output tokens)."""
         headers = {
             "X-RateLimit-Limit": str(self.limit),
             "X-RateLimit-Remaining": str(self.remaining),
             "X-RateLimit-Reset": str(self.reset_s),
         }
+        tightest_any = tightest(self.tokens, ("tokens", "input_tokens", "output_tokens"))
         if style == "anthropic":
             now = time.time()
             headers |= {"anthropic-ratelimit-requests-limit": str(self.limit),
                         "anthropic-ratelimit-requests-remaining": str(self.remaining),
                         "anthropic-ratelimit-requests-reset": _rfc3339(now + self.reset_s)}
-            if self.tokens_limit:
-                headers |= {
-                    "anthropic-ratelimit-tokens-limit": str(self.tokens_limit),
-                    "anthropic-ratelimit-tokens-remaining": str(self.tokens_remaining),
-                    "anthropic-ratelimit-tokens-reset": _rfc3339(now + self.tokens_reset_ms
-                                                                 / 1000)}
+            reset = _rfc3339(now + self.tokens_reset_ms / 1000)
+            for name, pair in (("tokens", tightest_any),
+                               ("input-tokens", tightest(self.tokens, ("input_tokens",))),
+                               ("output-tokens", tightest(self.tokens, ("output_tokens",)))):
+                if pair is not None:
+                    headers |= {f"anthropic-ratelimit-{name}-limit": str(pair[0].limit),
+                                f"anthropic-ratelimit-{name}-remaining": str(pair[1]),
+                                f"anthropic-ratelimit-{name}-reset": reset}
             return headers
         headers |= {"x-ratelimit-limit-requests": str(self.limit),
                     "x-ratelimit-remaining-requests": str(self.remaining),
                     "x-ratelimit-reset-requests": _duration(self.reset_s * 1000)}
-        if self.tokens_limit:
-            headers |= {"x-ratelimit-limit-tokens": str(self.tokens_limit),
-                        "x-ratelimit-remaining-tokens": str(self.tokens_remaining),
+        if tightest_any is not None:
+            headers |= {"x-ratelimit-limit-tokens": str(tightest_any[0].limit),
+                        "x-ratelimit-remaining-tokens": str(tightest_any[1]),
                         "x-ratelimit-reset-tokens": _duration(self.tokens_reset_ms)}
         return headers
 
@@ -133,27 +134,30 @@ class Admitter:
         self.failed_open = 0
 
     async def admit(self, principal: Principal, tier_name: str, tier: TierPolicy,
-                    hold: Hold | None = None, *, tokens: int = 0, request_id: str = ""
-                    ) -> Window:
-        """Count this request, reserve its `tokens` (its worst case: the tier's token limits)
-        and place its hold: 429, 402 or 503 when it may not run."""
+                    hold: Hold | None = None, *, windows: tuple[TokenWindow, ...] = (),
+                    prompt: int = 0, completion: int = 0, request_id: str = "") -> Window:
+        """Count this request, reserve its worst case (`prompt`, `completion`) in its token
+        `windows` and place its hold: 429, 402 or 503 when it may not run."""
         keys = AccountKeys.of(principal.account)
         limit = tier.requests_per_minute
-        tpm, tpd = tier.tokens_per_minute or 0, tier.tokens_per_day or 0
-        if not (tpm or tpd):
-            tokens = 0
-        window_keys = [keys.window(tier_name), *keys.tokens(tier_name),
-                       keys.reservation(request_id)]
-        args = [limit, WINDOW_MS, hold.hold_id if hold else "", hold.amount if hold else 0,
-                hold.ttl_s if hold else 0, SERVER_RUN, tokens, tpm, tpd]
+        window_keys = [keys.window(tier_name), keys.reservation(request_id)]
+        args: list[object] = [limit, WINDOW_MS, hold.hold_id if hold else "",
+                                 hold.amount if hold else 0, hold.ttl_s if hold else 0,
+                                 SERVER_RUN, prompt if windows else 0,
+                                 completion if windows else 0, principal.key_id or ""]
+        token_keys: list[str] = []
+        for w in windows:
+            token_keys += keys.token_window(tier_name, w.suffix)
+            args += (w.code, w.limit)
         try:
             if principal.kind == "guest":
-                answer = await self._guests.call(self._guest_admit, window_keys, args)
+                answer = await self._guests.call(self._guest_admit,
+                                                 [*window_keys, *token_keys], args)
             else:
                 await self._index(principal.account)
                 answer = await self._keyed.call(
                     self._admit, [*window_keys, keys.balance, keys.holds, keys.hold_expiry,
-                                  *keys.budgets, *keys.alerts], [*args, principal.key_id or ""])
+                                  *keys.budgets, *keys.alerts, *token_keys], args)
         except StoreBusy:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is busy; try again shortly",
                                headers={"Retry-After": "1"}) from None
@@ -161,24 +165,26 @@ class Admitter:
             if principal.kind != "guest":
                 raise store_unavailable("credit ledger") from None
             return await self._store_down(tier_name, tier, principal.account)
-        status, remaining, reset_ms, available, tokens_left, tokens_reset = (
-            int(x) for x in answer[:6])
+        status, remaining, reset_ms, available = (int(x) for x in answer[:4])
+        tokens_reset, refusing = int(answer[5]), int(answer[7])
         window = Window(limit, max(0, remaining), max(0, math.ceil(reset_ms / 1000)),
-                        tokens_limit=tpm or tpd, tokens_remaining=max(0, tokens_left),
+                        tokens=tuple((w, max(0, int(left))) for w, left in zip(
+                            windows, answer[4], strict=False)),
                         tokens_reset_ms=max(0, tokens_reset))
         if status == LIMITED:
             raise rate_limited(window, f"the {tier_name} tier allows {limit} requests per minute")
         if status == TOKEN_LIMITED:
-            per = (f"{tpm} tokens a minute" if tpm else "") + (" and " if tpm and tpd else "") + (
-                f"{tpd} tokens a day" if tpd else "")
+            binding = windows[refusing - 1]
+            tokens = binding.reserve(prompt, completion)
             if tokens_reset < 0:
                 raise GatewayError(  # never fits: the clients' retries would be in vain
                     ErrorKind.RATE_LIMITED,
-                    f"this request may use up to {tokens} tokens (its prompt and max_tokens), "
-                    f"more than the {tier_name} tier's {per}; ask for fewer",
+                    f"this request may use up to {tokens} {binding.kind.replace('_', ' ')} "
+                    f"(its prompt and max_tokens), more than the {tier_name} tier's "
+                    f"{binding.describe()}; ask for fewer",
                     headers={**window.headers(), "x-should-retry": "false"})
-            raise rate_limited(window, f"the {tier_name} tier allows {per}, and this request "
-                               f"may use up to {tokens}", wait_ms=tokens_reset)
+            raise rate_limited(window, f"the {tier_name} tier allows {binding.describe()}, and "
+                               f"this request may use up to {tokens}", wait_ms=tokens_reset)
         if status == INSUFFICIENT and hold is not None:
             raise InsufficientCredits(int(available), hold.amount)
         if status == OVER_BUDGET and hold is not None:
@@ -188,36 +194,37 @@ class Admitter:
         # retried): the hold is ours, placed by the first run.
         return window
 
-    async def tokens_used(self, principal: Principal, tier_name: str) -> tuple[int, int]:
-        """Tokens in the caller's minute and day windows now (reserved by requests in flight
-        or used), read without changing them (for /v2/account)."""
-        keys = AccountKeys.of(principal.account).tokens(tier_name)
+    async def tokens_used(self, principal: Principal, tier_name: str,
+                          windows: tuple[TokenWindow, ...]) -> list[int]:
+        """Tokens in each of the caller's windows now (reserved by requests in flight or
+        used), read without changing them (for /v2/account)."""
+        keys = AccountKeys.of(principal.account)
         store = (self._counters if principal.kind == "guest" else self._ledger.primaries).store
         now = time.time()
         used = []
-        for (hash_key, buckets), (size, span) in zip((keys[:2], keys[2:]), TOKEN_WINDOWS,
-                                                     strict=True):
+        for w in windows:
+            hash_key, buckets = keys.token_window(tier_name, w.suffix)
+            size, span = BUCKETS[w.period]
             live = [bucket for bucket in await store.zrangebyscore(
                 buckets, int(now // size) - span, "+inf") if isinstance(bucket, bytes | str)]
             counts = await store.hmget(hash_key, live) if live else []
             used.append(sum(int(c) for c in counts if c is not None))
-        return used[0], used[1]
+        return used
 
-    def settle_tokens(self, principal: Principal, tier_name: str, request_id: str,
-                      used: int) -> None:
-        """A guest's tokens: put the engine's count (`used`) in the place of what
-        `request_id` reserved, in the background (a keyed account's are settled with its
-        charge, settle.lua). One that is lost leaves the reservation counted until it leaves
-        the window: a limit reached early, never passed."""
-        keys = AccountKeys.of(principal.account)
+    def settle_tokens(self, principal: Principal, reserved: Reserved) -> None:
+        """A guest's tokens: put the engine's counts in the place of what the request
+        reserved, in the background (a keyed account's are settled with its charge,
+        settle.lua). One that is lost leaves the reservation counted until it leaves the
+        window: a limit reached early, never passed."""
+        keys = reserved.keys(AccountKeys.of(principal.account))
         task = asyncio.get_running_loop().create_task(self._correct(
-            [*keys.tokens(tier_name), keys.reservation(request_id)], used))
+            keys, reserved.prompt, reserved.completion))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _correct(self, keys: list[str], used: int) -> None:
+    async def _correct(self, keys: list[str], prompt: int, completion: int) -> None:
         with contextlib.suppress(RedisError):
-            await self._guests.call(self._guest_tokens, keys, [used])
+            await self._guests.call(self._guest_tokens, keys, [prompt, completion])
 
     async def close(self) -> None:
         if self._settling:

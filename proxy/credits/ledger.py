@@ -92,10 +92,11 @@ class AccountKeys:
     def window(self, tier: str) -> str:
         return self.balance[:-3] + f"rl:{tier}"
 
-    def tokens(self, tier: str) -> list[str]:
-        """The tier's token windows: minute buckets and their index, day buckets and theirs."""
-        base = self.balance[:-3] + f"tk:{tier}:"
-        return [base + "m", base + "mb", base + "d", base + "db"]
+    def token_window(self, tier: str, suffix: str) -> tuple[str, str]:
+        """A token window's buckets (hash) and their index (zset): `suffix` is
+        `TokenWindow.suffix` (proxy.credits.token_windows)."""
+        base = self.balance[:-3] + f"tk:{tier}:{suffix}"
+        return base, base + ":b"
 
     def reservation(self, request_id: str) -> str:
         """What a request reserved in the token windows, until its settlement."""
@@ -199,10 +200,10 @@ class Ledger:
         hold_id = new_hold_id()
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
-        status, _, _, available, _, _, _ = await self.admit_script(
-            keys=[keys.window("none"), *keys.tokens("none"), keys.reservation(hold_id),
-                  keys.balance, keys.holds, keys.hold_expiry, *keys.budgets, *keys.alerts],
-            args=[0, 0, hold_id, amount, ttl_s, "", 0, 0, 0, ""])
+        status, _, _, available, *_ = await self.admit_script(
+            keys=[keys.window("none"), keys.reservation(hold_id), keys.balance, keys.holds,
+                  keys.hold_expiry, *keys.budgets, *keys.alerts],
+            args=[0, 0, hold_id, amount, ttl_s, "", 0, 0, ""])
         if status != 1:
             raise InsufficientCredits(int(available), amount)
         return hold_id
@@ -377,19 +378,36 @@ class Ledger:
 
 def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, model: str,
                 units: Mapping[str, int], details: Mapping[str, object], keep: int,
-                ttl_s: int, *, run: object = SERVER_RUN,
-                tokens: tuple[str, str, int] | None = None) -> tuple[list[str], list[Any]]:
+                ttl_s: int, *, run: object = SERVER_RUN, tokens: Reserved | None = None
+                ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of one settle script call (see lua/settle.lua); `units` are what the
     running totals add up (prompt_tokens, completion_tokens, characters, audio_ms, ...);
     `run`: the run id of the Redis it goes to (the pipe's, by default; "" to ask the server);
-    `tokens`: (tier, request id, tokens used) of a request that reserved tokens."""
+    `tokens`: what a request reserved in its token windows, and the engine's counts."""
     keys = AccountKeys.of(account)
     args: list[Any] = [hold_id, cost, held, status, model, orjson.dumps(details), keep, ttl_s,
-                       run, tokens[2] if tokens else ""]
+                       run, tokens.prompt if tokens else "", tokens.completion if tokens else ""]
     for unit, count in units.items():
         args += (unit, count)
     names = [keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended,
              *keys.budgets[1:], keys.budgets[0], *keys.alerts]
     if tokens:
-        names += [*keys.tokens(tokens[0]), keys.reservation(tokens[1])]
+        names += tokens.keys(keys)
     return names, args
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A request's reservation in its token windows (`suffixes`, in the order it reserved in
+    them) and what the engine counted, for its settlement."""
+
+    tier: str
+    request_id: str
+    suffixes: tuple[str, ...]
+    prompt: int
+    completion: int
+
+    def keys(self, account: AccountKeys) -> list[str]:
+        """The reservation, then each window's buckets hash (lua/token_settle.lua)."""
+        return [account.reservation(self.request_id),
+                *(account.token_window(self.tier, s)[0] for s in self.suffixes)]

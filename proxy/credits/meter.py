@@ -28,7 +28,7 @@ from redis.commands.core import AsyncScript
 from proxy.config import PricesPolicy, Rates, TierPolicy
 from proxy.credits.admission import Admitter, Hold, Window
 from proxy.credits.budgets import BudgetExceeded, over_budget
-from proxy.credits.ledger import InsufficientCredits, new_hold_id, settle_call
+from proxy.credits.ledger import InsufficientCredits, Reserved, new_hold_id, settle_call
 from proxy.credits.pricing import (
     ChatUsage,
     Units,
@@ -41,6 +41,7 @@ from proxy.credits.pricing import (
     worst_cost,
 )
 from proxy.credits.settler import Settler
+from proxy.credits.token_windows import TokenWindow
 from proxy.errors import ErrorKind, GatewayError
 from proxy.identity.principal import Principal
 from proxy.observe.metrics import Metrics
@@ -113,14 +114,15 @@ class Metering:
         self.metrics = metrics
 
     def chat(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
-             route: str, request_id: str, body: dict[str, Any], cap: int) -> Meter:
+             route: str, request_id: str, body: dict[str, Any], cap: int,
+             windows: tuple[TokenWindow, ...] = ()) -> Meter:
         """A chat request's meter: its worst case is the completion cap times `n` plus a bound
-        on the prompt; it is charged the tokens used."""
+        on the prompt, reserved in its token `windows`; it is charged the tokens used."""
         rates = prices.for_model(model, mode)
         worst = chat_worst(body, cap)
         hold = worst_cost(rates, worst) if principal.kind != "guest" else 0
         meter = self._open(prices, rates, principal, model, mode, route, request_id, hold, body)
-        meter.tokens = worst.prompt_tokens + worst.completion_tokens
+        meter.windows, meter.worst = windows, worst
         return meter
 
     def units(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
@@ -168,7 +170,8 @@ class Meter:
     hold: Hold | None  # None for guests
     chat_body: dict[str, Any] | None  # chat: priced by tokens (the body bounds a cut prompt)
     stage: Stage = Stage.BEFORE
-    tokens: int = 0  # chat: its worst case in the tier's token windows
+    windows: tuple[TokenWindow, ...] = ()  # chat: the token windows it counts in
+    worst: ChatUsage | None = None  # chat: what it reserves in them
     started: float = field(default_factory=time.monotonic)
     charged: tuple[int, dict[str, int]] | None = None  # (cost, units) of the settlement queued
     _settled: bool = False
@@ -178,8 +181,10 @@ class Meter:
         principal = self.principal
         self.stage = Stage.ADMITTING
         try:
+            worst = self.worst or ChatUsage(0, 0)
             window = await self.metering.admitter.admit(
-                principal, principal.tier, tier, self.hold, tokens=self.tokens,
+                principal, principal.tier, tier, self.hold, windows=self.windows,
+                prompt=worst.prompt_tokens, completion=worst.completion_tokens,
                 request_id=str(self.details["request_id"]))
         except InsufficientCredits as exc:
             self.stage = Stage.REFUSED
@@ -196,8 +201,8 @@ class Meter:
                 self.stage = Stage.REFUSED
             raise
         self.stage = Stage.ADMITTED
-        if self.tokens and window.tokens_limit:  # settled in its windows (and by a runner)
-            self.details["tokens_held"] = self.tokens
+        if window.tokens:  # reserved: settled in those windows (by a runner, for a task)
+            self.details["token_windows"] = [w.suffix for w in self.windows]
         return window
 
     def handed_off(self) -> None:
@@ -225,9 +230,11 @@ class Meter:
         else:
             keep, ttl = prices.journal_max_entries, 0
         tokens = None
-        if self.details.get("tokens_held"):  # the engine's count in place of the reservation
-            tokens = (self.principal.tier, str(self.details["request_id"]),
-                      units.get("prompt_tokens", 0) + units.get("completion_tokens", 0))
+        suffixes = self.details.get("token_windows")
+        if isinstance(suffixes, list) and suffixes:  # the engine's counts for the reservation
+            tokens = Reserved(self.principal.tier, str(self.details["request_id"]),
+                              tuple(str(s) for s in suffixes), units.get("prompt_tokens", 0),
+                              units.get("completion_tokens", 0))
         metering = self.metering
         keys, args = settle_call(
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
@@ -235,7 +242,7 @@ class Meter:
             keep, ttl, tokens=tokens if self.hold is not None else None)
         metering.settler.settle(metering.script, keys, args)
         if tokens and self.hold is None:  # a guest's windows live on the rate-limit Redis
-            metering.admitter.settle_tokens(self.principal, *tokens)
+            metering.admitter.settle_tokens(self.principal, tokens)
         self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing
         metering.metrics.settled(self.model, self.principal.tier, *self.charged)
         return self.charged

@@ -210,7 +210,7 @@ async def test_the_dashboard_shows_what_the_account_api_returns(
     assert balance["price-version"] == "dashboard-v1"
     # The token window and the budget, as the page's own read gave them.
     limits = await page.locator("#limits").evaluate(DEFINITIONS_JS)
-    minute, [month] = own["token_limits"]["per_minute"], own["budgets"]
+    [minute, *_], [month] = own["token_limits"], own["budgets"]
     assert limits["tokens-minute"] == f"{minute['remaining']} of 50000"
     assert limits["budget-account-month"] == (
         f"{month['remaining']['credits']} of 6.000000 left (spent {month['spent']['credits']}, "

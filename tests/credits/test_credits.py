@@ -104,10 +104,10 @@ async def test_admission_script_refusals_change_nothing(ledger: Ledger) -> None:
     keys = AccountKeys.of("acme")
 
     async def admit(hold_id: str, amount: int) -> list[int]:
-        admit_keys = [keys.window("none"), *keys.tokens("none"), keys.reservation(hold_id),
-                      keys.balance, keys.holds, keys.hold_expiry, *keys.budgets]
+        admit_keys = [keys.window("none"), keys.reservation(hold_id), keys.balance,
+                      keys.holds, keys.hold_expiry, *keys.budgets, *keys.alerts]
         return [int(v) for v in (await ledger.admit_script(
-            keys=admit_keys, args=[0, 0, hold_id, amount, 60, "", 0, 0, 0, ""]))[:4]]
+            keys=admit_keys, args=[0, 0, hold_id, amount, 60, "", 0, 0, ""]))[:4]]
 
     assert await admit("h1", 300) == [1, -1, 0, 700]
     assert await admit("h1", 300) == [3, -1, 0, 0]  # the same id again: not held twice

@@ -67,7 +67,7 @@ async def basic_refusals(gw: Any) -> float:
 
 
 async def window(redis: Redis, account: str) -> dict[str, int]:
-    minute = await redis.hgetall(AccountKeys.of(account).tokens("basic")[0])
+    minute = await redis.hgetall(AccountKeys.of(account).token_window("basic", "*:tm")[0])
     return {k.decode(): int(v) for k, v in minute.items()}
 
 
@@ -137,8 +137,10 @@ async def test_the_headers_clients_read_and_a_request_that_can_never_fit(
     async with aiohttp.ClientSession() as s, s.get(gw.make_url("/v2/account"),
                                                    headers={"X-API-Key": key}) as r:
         limits = (await r.json())["token_limits"]
-    minute, day = limits["per_minute"], limits["per_day"]
-    assert minute["limit"] == LIMIT and day["limit"] == 100000
+    minute, day = limits
+    assert (minute["group"], minute["kind"], minute["period"], minute["limit"]) == (
+        None, "tokens", "minute", LIMIT)
+    assert (day["period"], day["limit"]) == ("day", 100000)
     assert 0 < minute["used"] == day["used"] and minute["remaining"] == LIMIT - minute["used"]
     # Guests have their own window per client address, on the same terms.
     status, headers, _ = await post(gw, body(50))
@@ -223,7 +225,7 @@ async def test_buckets_that_leave_the_window_take_their_tokens_along(
     redis = Redis.from_url(clean_redis.url)
     ledger = Ledger(redis)
     keys = AccountKeys.of("acct-trim")
-    minute, buckets = keys.tokens("basic")[:2]
+    minute, buckets = keys.token_window("basic", "*:tm")
     now = int((await redis.time())[0])
     await redis.hset(minute, mapping={str(now - 120): 500, str(now): 50, "t": 550,
                                       "o": str(now - 120)})
@@ -231,12 +233,12 @@ async def test_buckets_that_leave_the_window_take_their_tokens_along(
 
     async def admit(tokens: int) -> list[int]:
         answer = await ledger.admit_script(
-            keys=[keys.window("basic"), *keys.tokens("basic"), keys.reservation(f"r{tokens}")],
-            args=[0, 60000, "", 0, 0, "", tokens, 100, 0])
-        return [int(v) for v in answer[:6]]
+            keys=[keys.window("basic"), keys.reservation(f"r{tokens}"), minute, buckets],
+            args=[0, 60000, "", 0, 0, "", tokens, 0, "", "tm", 100])
+        return [int(v) for v in answer[:4]] + [int(answer[4][0]) if answer[4] else 0]
 
     try:
-        status, _, _, _, left, _ = await admit(30)
+        status, _, _, _, left = await admit(30)
         assert (status, left) == (1, 100 - 50 - 30)  # the old 500 are gone
         assert await redis.zrange(buckets, 0, -1) == [str(now).encode()]
         state = {k.decode(): int(v) for k, v in (await redis.hgetall(minute)).items()}
@@ -247,3 +249,90 @@ async def test_buckets_that_leave_the_window_take_their_tokens_along(
     finally:
         await ledger.close()
         await redis.aclose()
+
+
+GROUPS = f"""
+[groups]
+large = ["{MODEL}"]
+
+[tiers.guest]
+requests_per_minute = 1000
+families = ["chat"]
+models = {{ "*" = ["direct"] }}
+
+[tiers.basic]
+requests_per_minute = 1000
+families = ["chat"]
+models = {{ "*" = ["direct"] }}
+tokens_per_minute = 100000
+output_tokens_per_minute = 450
+
+[tiers.basic.group_tokens.large]
+input_tokens_per_minute = 5000
+"""
+
+
+async def test_group_and_output_limits_bind_each_in_its_own_unit(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """The tier's output tokens a minute, and its model group's input tokens a minute, beside
+    its tokens a minute: each window reserves its own part of the worst case (the completion
+    cap, the prompt's bound) and settles to the engine's count of that part; the one that
+    refuses is named; the Messages route's input and output headers show them."""
+    sim = await simulator(ttft_ms=300, default_completion_tokens=16)
+    gw = await gateway(sim, policies={"tiers.toml": GROUPS})
+    key = await basic_key(clean_redis.url, "acct-groups")
+    redis = Redis.from_url(clean_redis.url)
+    keys = AccountKeys.of("acct-groups")
+    try:
+        # Two requests with max_tokens 200 fit the 450 output tokens; a third does not.
+        first = [asyncio.create_task(post(gw, body(200), key)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        status, headers, answer = await post(gw, body(200), key)
+        assert status == 429, answer
+        assert "450 output tokens a minute" in answer["error"]["message"]
+        assert headers["x-ratelimit-limit-tokens"] == "450"
+        assert [s for s, _, _ in await asyncio.gather(*first)] == [200, 200]
+        # A prompt whose bound passes the group's 5,000 input tokens alone: never fits.
+        status, headers, answer = await post(gw, body(10, "x" * 6000), key)
+        assert status == 429 and headers["x-should-retry"] == "false"
+        assert "5000 input tokens a minute on large models" in answer["error"]["message"]
+        await settled(gw)
+        charged = await charges(redis, "acct-groups")
+        prompt = sum(int(e["prompt_tokens"]) for e in charged)
+        completion = sum(int(e["completion_tokens"]) for e in charged)
+        windows = {suffix: await hash_of(redis, keys.token_window("basic", suffix)[0])
+                   for suffix in ("*:tm", "*:om", "large:im")}
+        assert windows["*:om"]["t"] == completion == 32  # the engine's 16 each, not 200
+        assert windows["large:im"]["t"] == prompt > 0
+        assert windows["*:tm"]["t"] == prompt + completion
+        assert all(w.get("r", 0) == 0 for w in windows.values()), windows
+        # Anthropic's input and output headers: each the tightest window of its kind.
+        raw = await post(gw, {"model": MODEL, "max_tokens": 100, "messages": [
+            {"role": "user", "content": "Hi"}]}, key, path="/v2/messages/v1/messages")
+        assert raw[0] == 200, raw
+        assert raw[1]["anthropic-ratelimit-output-tokens-limit"] == "450"
+        assert raw[1]["anthropic-ratelimit-input-tokens-limit"] == "5000"
+        assert raw[1]["anthropic-ratelimit-tokens-limit"] == "450"  # the tightest of all
+        # The account page lists every window, the group's among them.
+        async with aiohttp.ClientSession() as s, s.get(gw.make_url("/v2/account"),
+                                                       headers={"X-API-Key": key}) as r:
+            limits = (await r.json())["token_limits"]
+        assert [(w["group"], w["kind"], w["period"], w["limit"]) for w in limits] == [
+            (None, "tokens", "minute", 100000), (None, "output_tokens", "minute", 450),
+            ("large", "input_tokens", "minute", 5000)]
+    finally:
+        await redis.aclose()
+
+
+async def hash_of(redis: Redis, key: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in (await redis.hgetall(key)).items()}
+
+
+async def charges(redis: Redis, account: str) -> list[dict[str, Any]]:
+    from proxy.credits.ledger import Ledger
+
+    ledger = Ledger(redis)
+    try:
+        return [e for e in await ledger.all_entries(account) if e.get("type") == "charge"]
+    finally:
+        await ledger.close()

@@ -239,10 +239,11 @@ function render(account, usage) {
 // The tier's token windows and the budgets (the account's, the key's), as /v2/account has them.
 function limitRows(account) {
   const rows = [];
-  const windows = [["per_minute", "minute"], ["per_day", "day"]];
-  for (const [field, unit] of windows) {
-    const w = account.token_limits[field];
-    if (w) rows.push([`tokens-${unit}`, `Chat tokens left this ${unit}`,
+  for (const w of account.token_limits) {
+    const what = w.kind.replace("_", " ").replace(/^tokens$/, "chat tokens");
+    const where = w.group === null ? "" : ` (${w.group} models)`;
+    rows.push([`${w.kind}-${w.period}${w.group === null ? "" : "-" + w.group}`,
+      `${what[0].toUpperCase()}${what.slice(1)} left this ${w.period}${where}`,
       `${w.remaining} of ${w.limit}`]);
   }
   for (const b of account.budgets) {

@@ -4,16 +4,17 @@
 -- agrees on the time). A request refused by a limit counts nothing; one refused for credits has
 -- been counted (requests, not tokens).
 --
--- The token limits (tokens a minute, tokens a day) count what requests may use: a request
--- reserves its worst case (an upper bound of its prompt plus its completion cap) at admission,
--- and its settlement (token_settle.lua) puts the engine's count in its place. Each window is a
--- hash of buckets (1 s for the minute, 5 min for the day: bucket -> tokens, 't' their total,
--- 'o' the oldest, and in the first window 'r', what requests in flight still reserve: a hint
--- for Retry-After) and a zset of its buckets, read only when buckets leave the window. A
--- window keeps one bucket more than it spans, so it never holds less than the exact sliding
--- window would (it may refuse a little early, never admit over the limit). What this request
--- reserved, and where, is kept under its own key until its settlement, so a settlement is
--- applied once.
+-- The token limits (proxy.credits.token_windows: the tier's and the model group's, each of
+-- prompt + completion tokens or of input or output alone, over a minute or a day) count what
+-- requests may use: a request reserves its worst case (an upper bound of its prompt, its
+-- completion cap) at admission, and its settlement (token_settle.lua) puts the engine's count
+-- in its place. Each window is a hash of buckets (1 s for a minute, 5 min for a day: bucket ->
+-- tokens, 't' their total, 'o' the oldest, and in a minute window 'r', what requests in flight
+-- still reserve: a hint for Retry-After) and a zset of its buckets, read only when buckets
+-- leave the window. A window keeps one bucket more than it spans, so it never holds less than
+-- the exact sliding window would (it may refuse a little early, never admit over the limit).
+-- What this request reserved, and where, is kept under its own key until its settlement
+-- ('<code>:<tokens>:<bucket>' per window, comma-separated), so a settlement is applied once.
 --
 -- Windows and holds are soft state: neither written to the AOF nor replicated, so admission
 -- never waits for an fsync. A Redis crash forgets them: the windows restart, and a request that
@@ -28,23 +29,24 @@
 -- ('budget holds', soft like the holds): a hold that would take either past a cap is refused.
 -- A postpaid account (caps field 'postpaid') has no balance to check, only its caps.
 --
--- KEYS: request window zset, minute tokens hash, its buckets zset, day tokens hash, its buckets
---   zset, this request's reservation (all under the account's tag), then, with a hold: balance
---   hash, holds hash, hold expiry zset, budgets hash (caps), budgets spent hash, budget holds
---   hash, alerts stream, alerts due zset, alerted hash (a cap's first refusal in a period is
---   an alert: alerts.lua, prepended)
+-- KEYS: request window zset, this request's reservation (both under the account's tag), then,
+--   with a hold: balance hash, holds hash, hold expiry zset, budgets hash (caps), budgets spent
+--   hash, budget holds hash, alerts stream, alerts due zset, alerted hash (a cap's first
+--   refusal in a period is an alert: alerts.lua, prepended); then each token window's buckets
+--   hash and buckets zset (the last 2 x windows keys)
 -- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s, this Redis
---   process's run id (the connection's; '' to ask the server), tokens to reserve, tokens a
---   minute (0: no limit), tokens a day (0: no limit), the key's id ('' for none)
--- Returns {status, remaining, reset ms, available, tokens remaining this minute (-1: no limit),
---   tokens reset ms, budget}: status 1 admitted, 0 rate limited, 2 insufficient credits, 3 hold
---   id already used, 4 token limited (reset -1: the request alone is over the limit), 5 over a
---   budget (`budget` names it, 'a:m' or 'k:<key id>:d'; available: what it has left).
---   remaining is -1 without a limit.
+--   process's run id (the connection's; '' to ask the server), prompt tokens to reserve,
+--   completion tokens to reserve, the key's id ('' for none), then each token window's code
+--   ('tm' tokens a minute, 'id' input tokens a day, 'om' output tokens a minute ...) and limit
+-- Returns {status, remaining, reset ms, available, {tokens remaining in each window}, tokens
+--   reset ms, budget, the window that refused}: status 1 admitted, 0 rate limited, 2
+--   insufficient credits, 3 hold id already used, 4 token limited (reset -1: the request alone
+--   is over that window's limit), 5 over a budget (`budget` names it, 'a:m' or 'k:<key id>:d';
+--   available: what it has left). remaining is -1 without a limit.
 local run, holds
 if ARGV[3] ~= '' then
   run = this_run(ARGV[6])
-  holds = forget_stale_holds(KEYS[7], KEYS[8], KEYS[9], run, KEYS[12])
+  holds = forget_stale_holds(KEYS[3], KEYS[4], KEYS[5], run, KEYS[8])
 end
 redis.set_repl(redis.REPL_NONE)
 local now = redis.call('TIME')
@@ -59,23 +61,25 @@ if limit > 0 then
   count = redis.call('ZCARD', KEYS[1])
   if count >= limit then
     local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-    return {0, 0, tonumber(oldest[2]) + window - now_ms, 0, -1, 0, ''}
+    return {0, 0, tonumber(oldest[2]) + window - now_ms, 0, {}, 0, '', 0}
   end
 end
 
--- The token windows: {limit, bucket size s, buckets spanned, hash, zset}.
-local tokens = tonumber(ARGV[7])
-local windows = {}
-if tonumber(ARGV[8]) > 0 then
-  windows[#windows + 1] = {tonumber(ARGV[8]), 1, 60, KEYS[2], KEYS[3]}
-end
-if tonumber(ARGV[9]) > 0 then
-  windows[#windows + 1] = {tonumber(ARGV[9]), 300, 288, KEYS[4], KEYS[5]}
-end
-local tokens_left, tokens_reset = -1, 0
-if tokens > 0 then
-  for i, w in ipairs(windows) do
-    local cap, size, span, h, z = w[1], w[2], w[3], w[4], w[5]
+-- The token windows: {limit, bucket size s, buckets spanned, hash, zset, code, tokens}.
+local prompt, completion = tonumber(ARGV[7]), tonumber(ARGV[8])
+local count_windows = (#ARGV - 9) / 2
+local first_key = #KEYS - 2 * count_windows
+local windows, lefts = {}, {}
+local tokens_reset = 0
+if prompt + completion > 0 then
+  for i = 1, count_windows do
+    local code, cap = ARGV[8 + 2 * i], tonumber(ARGV[9 + 2 * i])
+    local kind = string.sub(code, 1, 1)
+    local size, span = 1, 60
+    if string.sub(code, 2, 2) == 'd' then size, span = 300, 288 end
+    local tokens = prompt + completion
+    if kind == 'i' then tokens = prompt elseif kind == 'o' then tokens = completion end
+    local h, z = KEYS[first_key + 2 * i - 1], KEYS[first_key + 2 * i]
     local bucket = math.floor(now_s / size)
     local cutoff = bucket - span
     local got = redis.call('HMGET', h, 't', 'o', 'r')  -- total, oldest bucket, reserved
@@ -87,12 +91,13 @@ if tokens > 0 then
       end
       redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. cutoff)
       redis.call('HSET', h, 't', total)
-      local first = redis.call('ZRANGE', z, 0, 0)[1]
-      if first then redis.call('HSET', h, 'o', first) else redis.call('HDEL', h, 'o') end
+      local oldest = redis.call('ZRANGE', z, 0, 0)[1]
+      if oldest then redis.call('HSET', h, 'o', oldest) else redis.call('HDEL', h, 'o') end
     end
     if total + tokens > cap then
       local unspent = limit > 0 and (limit - count) or -1
-      if tokens > cap then return {4, unspent, 0, 0, math.max(0, cap - total), -1, ''} end
+      lefts[i] = math.max(0, cap - total)
+      if tokens > cap then return {4, unspent, 0, 0, lefts, -1, '', i} end
       -- When enough of the window's tokens have left it; sooner when what is reserved by
       -- requests in flight would make room once they settle (they usually use less).
       local need, freed, at = total + tokens - cap, 0, 0
@@ -103,29 +108,31 @@ if tokens > 0 then
           break
         end
       end
-      if i == 1 and math.min(total, tonumber(got[3] or '0')) >= need then
+      if size == 1 and math.min(total, tonumber(got[3] or '0')) >= need then
         at = math.min(at, 1000)
       end
-      return {4, unspent, 0, 0, math.max(0, cap - total), math.max(at, 1), ''}
+      return {4, unspent, 0, 0, lefts, math.max(at, 1), '', i}
     end
-    w[6] = tostring(bucket)
-    if i == 1 then tokens_left, tokens_reset = cap - total - tokens, 0 end
+    windows[i] = {cap, size, span, h, z, code, tokens, tostring(bucket)}
+    lefts[i] = cap - total - tokens
   end
+  local reserved = {}
   for i, w in ipairs(windows) do
-    local h, z, b = w[4], w[5], w[6]
-    if redis.call('HINCRBY', h, b, ARGV[7]) == tokens then  -- a new bucket (or one at zero)
-      redis.call('ZADD', z, b, b)
-      redis.call('HSETNX', h, 'o', b)
-      redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)  -- the window lives a span more
-      redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
+    local h, z, tokens, b = w[4], w[5], w[7], w[8]
+    if tokens > 0 then
+      if redis.call('HINCRBY', h, b, tokens) == tokens then  -- a new bucket (or one at zero)
+        redis.call('ZADD', z, b, b)
+        redis.call('HSETNX', h, 'o', b)
+        redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)  -- the window lives a span more
+        redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
+      end
+      redis.call('HINCRBY', h, 't', tokens)
+      if w[2] == 1 then redis.call('HINCRBY', h, 'r', tokens) end  -- the Retry-After hint's
     end
-    redis.call('HINCRBY', h, 't', ARGV[7])
-    if i == 1 then redis.call('HINCRBY', h, 'r', ARGV[7]) end  -- the Retry-After hint's
+    reserved[i] = w[6] .. ':' .. tokens .. ':' .. b
   end
-  if #windows > 0 then
-    local minute = windows[1][2] == 1 and windows[1][6] or ''
-    local day = windows[#windows][2] == 300 and windows[#windows][6] or ''
-    redis.call('SET', KEYS[6], ARGV[7] .. ':' .. minute .. ':' .. day, 'EX', 86700)
+  if #reserved > 0 then
+    redis.call('SET', KEYS[2], table.concat(reserved, ','), 'EX', 86700)
   end
 end
 
@@ -137,36 +144,36 @@ if limit > 0 then
   remaining = limit - count - 1
   reset = tonumber(oldest[2]) + tonumber(ARGV[2]) - now_ms
 end
-if ARGV[3] == '' then return {1, remaining, reset, 0, tokens_left, tokens_reset, ''} end
+if ARGV[3] == '' then return {1, remaining, reset, 0, lefts, tokens_reset, '', 0} end
 local amount = tonumber(ARGV[4])
 local function unreserve()  -- it will not run: its tokens were never used
-  if tokens == 0 then return end
-  for i, w in ipairs(windows) do
-    local h, b = w[4], w[6]
+  if #windows == 0 then return end
+  for _, w in ipairs(windows) do
+    local h, tokens, b = w[4], w[7], w[8]
     redis.call('HINCRBY', h, b, -tokens)
     redis.call('HINCRBY', h, 't', -tokens)
-    if i == 1 then redis.call('HINCRBY', h, 'r', -tokens) end
+    if w[2] == 1 then redis.call('HINCRBY', h, 'r', -tokens) end
   end
-  redis.call('DEL', KEYS[6])
+  redis.call('DEL', KEYS[2])
 end
 -- The budgets: every cap of the account and of the key (one HMGET when there are none).
 local names = {'a:d', 'a:w', 'a:m'}
-if ARGV[10] ~= '' then
-  for _, p in ipairs({'d', 'w', 'm'}) do names[#names + 1] = 'k:' .. ARGV[10] .. ':' .. p end
+if ARGV[9] ~= '' then
+  for _, p in ipairs({'d', 'w', 'm'}) do names[#names + 1] = 'k:' .. ARGV[9] .. ':' .. p end
 end
-local caps = redis.call('HMGET', KEYS[10], 'postpaid', unpack(names))
+local caps = redis.call('HMGET', KEYS[6], 'postpaid', unpack(names))
 local budgets = {}
 for i, name in ipairs(names) do
   local cap = caps[i + 1]
   if cap then
     local index = period_index(string.sub(name, -1), now_s)
     local field = name .. ':' .. index
-    local spent = tonumber(redis.call('HGET', KEYS[11], field) or '0')
-    local used = spent + tonumber(redis.call('HGET', KEYS[12], field) or '0')
+    local spent = tonumber(redis.call('HGET', KEYS[7], field) or '0')
+    local used = spent + tonumber(redis.call('HGET', KEYS[8], field) or '0')
     if used + amount > tonumber(cap) then
       unreserve()
-      alert_budget(KEYS[10], KEYS[13], KEYS[14], KEYS[15], field, spent, 0, used - spent, true)
-      return {5, remaining, reset, tonumber(cap) - used, tokens_left, tokens_reset, name}
+      alert_budget(KEYS[6], KEYS[9], KEYS[10], KEYS[11], field, spent, 0, used - spent, true)
+      return {5, remaining, reset, tonumber(cap) - used, lefts, tokens_reset, name, 0}
     end
     budgets[#budgets + 1] = field
   end
@@ -175,21 +182,21 @@ end
 -- path is written in as few as it takes: the hold is claimed and the amount taken first, and
 -- both are given back in the rare refusal (no one sees the difference: the script is atomic).
 -- Figures go as the strings they came in where they can (Lua formats a number with sprintf).
-if redis.call('HSETNX', KEYS[8], ARGV[3], ARGV[4]) == 0 then
-  return {3, remaining, reset, 0, tokens_left, tokens_reset, ''}
+if redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4]) == 0 then
+  return {3, remaining, reset, 0, lefts, tokens_reset, '', 0}
 end
-local left = redis.call('HINCRBY', KEYS[7], 'available', 0 - amount)  -- never -0
+local left = redis.call('HINCRBY', KEYS[3], 'available', 0 - amount)  -- never -0
 if left < 0 and caps[1] ~= '1' then
-  redis.call('HINCRBY', KEYS[7], 'available', ARGV[4])
-  redis.call('HDEL', KEYS[8], ARGV[3])
+  redis.call('HINCRBY', KEYS[3], 'available', ARGV[4])
+  redis.call('HDEL', KEYS[4], ARGV[3])
   unreserve()
-  return {2, remaining, reset, left + amount, tokens_left, tokens_reset, ''}
+  return {2, remaining, reset, left + amount, lefts, tokens_reset, '', 0}
 end
-redis.call('HINCRBY', KEYS[7], 'held', ARGV[4])
-redis.call('ZADD', KEYS[9], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
-if holds ~= 'kept' then redis.call('HSET', KEYS[8], '@run', run) end  -- the first hold here
+redis.call('HINCRBY', KEYS[3], 'held', ARGV[4])
+redis.call('ZADD', KEYS[5], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
+if holds ~= 'kept' then redis.call('HSET', KEYS[4], '@run', run) end  -- the first hold here
 if #budgets > 0 then
-  for _, field in ipairs(budgets) do redis.call('HINCRBY', KEYS[12], field, ARGV[4]) end
-  redis.call('HSET', KEYS[12], 'h:' .. ARGV[3], table.concat(budgets, ','))
+  for _, field in ipairs(budgets) do redis.call('HINCRBY', KEYS[8], field, ARGV[4]) end
+  redis.call('HSET', KEYS[8], 'h:' .. ARGV[3], table.concat(budgets, ','))
 end
-return {1, remaining, reset, left, tokens_left, tokens_reset, ''}
+return {1, remaining, reset, left, lefts, tokens_reset, '', 0}

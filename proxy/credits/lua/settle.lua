@@ -17,21 +17,21 @@
 --
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset,
 --       budgets spent hash, budget holds hash, budgets hash (caps), alerts stream, alerts due
---       zset, alerted hash, then, for a request that reserved tokens (the tier's token
---       limits): minute tokens hash, its buckets zset, day tokens hash, its buckets zset, its
---       reservation (token_settle.lua, prepended)
+--       zset, alerted hash, then, for a request that reserved tokens (its token limits):
+--       its reservation and the buckets hash of each window it reserved in
+--       (token_settle.lua, prepended)
 -- ARGV: hold id ('' for none), cost, amount held, status, model, details (JSON), journal
 --       entries kept, journal ttl s (0: none), this Redis process's run id (the connection's;
---       '' to ask the server), tokens used ('' without a reservation), then pairs of (usage
---       unit, count) that the running totals add up (prompt_tokens, completion_tokens,
---       characters, audio_ms, ...)
+--       '' to ask the server), prompt tokens used ('' without a reservation), completion
+--       tokens used, then pairs of (usage unit, count) that the running totals add up
+--       (prompt_tokens, completion_tokens, characters, audio_ms, ...)
 -- Returns the charge, or -1 when there was nothing to do (the hold had already ended).
 --
 -- Figures go to redis.call as the strings they came in where they can: Lua turns a number into
 -- a string with sprintf on every call, a measurable share of this script's cost.
 local now = redis.call('TIME')
-if ARGV[10] ~= '' and #KEYS >= 17 then  -- its tokens, once, whatever became of its hold
-  settle_tokens(KEYS[13], KEYS[15], KEYS[17], tonumber(ARGV[10]))
+if ARGV[10] ~= '' and #KEYS >= 13 then  -- its tokens, once, whatever became of its hold
+  settle_tokens(KEYS[13], 14, tonumber(ARGV[10]), tonumber(ARGV[11]))
 end
 local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'
@@ -106,7 +106,7 @@ else
   if ARGV[5] ~= '' then scopes[2] = 'm|' .. ARGV[5] .. '|' end
   for _, scope in ipairs(scopes) do
     redis.call('HINCRBY', KEYS[5], scope .. 'requests', '1')
-    for i = 11, #ARGV - 1, 2 do
+    for i = 12, #ARGV - 1, 2 do
       redis.call('HINCRBY', KEYS[5], scope .. ARGV[i], ARGV[i + 1])
     end
     redis.call('HINCRBY', KEYS[5], scope .. 'cost', charge_text)

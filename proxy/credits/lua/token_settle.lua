@@ -2,28 +2,28 @@
 -- reserved (admit.lua), in the buckets it was reserved in, once (the reservation's own key is
 -- taken with GETDEL). A bucket that already left its window took the reservation with it.
 -- Soft state, like the windows. (Prepended to settle.lua and tokens.lua.)
--- Returns the tokens given back (reserved - used), or -1 when there was no reservation.
-local function settle_tokens(minute_h, day_h, reservation, used)
+-- `hashes`: the index in KEYS of the first window's buckets hash; the others follow, in the
+-- order the request reserved in them (the reservation names each by its code).
+local function settle_tokens(reservation, hashes, prompt, completion)
   redis.set_repl(redis.REPL_NONE)
   local held = redis.call('GETDEL', reservation)
   if held then
-    local reserved, minute, day = string.match(held, '^(%d+):(%d*):(%d*)$')
-    reserved = tonumber(reserved)
     local now_s = tonumber(redis.call('TIME')[1])
-    local first = true  -- the first window keeps what is reserved ('r', admit.lua)
-    for _, w in ipairs({{minute_h, minute, 1, 60}, {day_h, day, 300, 288}}) do
-      local h, b, size, span = w[1], w[2], w[3], w[4]
-      if b ~= '' then
-        if tonumber(b) >= math.floor(now_s / size) - span then  -- still in its window
-          redis.call('HINCRBY', h, b, used - reserved)
-          redis.call('HINCRBY', h, 't', used - reserved)
-          if first then redis.call('HINCRBY', h, 'r', -reserved) end
-        end
-        first = false
+    local i = hashes
+    for code, reserved, b in string.gmatch(held, '(%a%a):(%d+):(%d+)') do
+      local h = KEYS[i]
+      i = i + 1
+      local kind, size, span = string.sub(code, 1, 1), 1, 60
+      if string.sub(code, 2, 2) == 'd' then size, span = 300, 288 end
+      local used = prompt + completion
+      if kind == 'i' then used = prompt elseif kind == 'o' then used = completion end
+      reserved = tonumber(reserved)
+      if h and reserved > 0 and tonumber(b) >= math.floor(now_s / size) - span then
+        redis.call('HINCRBY', h, b, used - reserved)
+        redis.call('HINCRBY', h, 't', used - reserved)
+        if size == 1 then redis.call('HINCRBY', h, 'r', -reserved) end
       end
     end
-    held = reserved - used
   end
   redis.set_repl(redis.REPL_ALL)
-  return held or -1
 end

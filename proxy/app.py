@@ -189,6 +189,12 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/admin/accounts/{account}", admin.show_account, docs.ADMIN_ACCOUNT),
     Route("POST", "/admin/accounts/{account}/credits", admin.add_credits, docs.ADMIN_CREDITS),
     Route("POST", "/admin/accounts/{account}/budgets", admin.set_budget, docs.ADMIN_BUDGETS),
+    Route("POST", "/admin/accounts/{account}/alerts", admin.set_alert, docs.ADMIN_ALERT),
+    Route("GET", "/admin/accounts/{account}/alerts", admin.list_alerts, docs.ADMIN_ALERTS),
+    Route("POST", "/admin/webhooks", admin.add_webhook, docs.ADMIN_ADD_WEBHOOK),
+    Route("GET", "/admin/webhooks", admin.list_webhooks, docs.ADMIN_LIST_WEBHOOKS),
+    Route("DELETE", "/admin/webhooks/{endpoint_id}", admin.remove_webhook,
+          docs.ADMIN_REMOVE_WEBHOOK),
     Route("POST", "/admin/reload", admin.reload_policies, docs.ADMIN_RELOAD),
     Route("GET", "/admin/backends", admin.list_backends, docs.ADMIN_BACKENDS),
 )

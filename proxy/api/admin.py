@@ -8,6 +8,12 @@
     POST   /admin/accounts/{account}/credits  {amount, reason} -> a journaled top-up or adjustment
     POST   /admin/accounts/{account}/budgets  {period, amount, key_id, postpaid} -> set (amount
            null: remove) a spend budget that resets; the account's budgets
+    POST   /admin/accounts/{account}/alerts   {below} -> alert when the balance falls under it
+    GET    /admin/accounts/{account}/alerts   -> the account's alerts, each delivery's state
+    POST   /admin/webhooks          {url, account?} -> 201 {id, secret, ...}: an endpoint for
+                                    alerts; the only time the secret is shown
+    GET    /admin/webhooks          -> the endpoints (never their secrets)
+    DELETE /admin/webhooks/{endpoint_id} -> the removed endpoint
     POST   /admin/reload            policies/ again (as SIGHUP does)
     GET    /admin/backends          every backend: health and load as this worker sees them
 
@@ -35,9 +41,11 @@ from redis.exceptions import RedisError, ResponseError
 
 from proxy.api.account import budget_view
 from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
+from proxy.credits.alerts import Endpoint
 from proxy.credits.budgets import budgets
 from proxy.credits.ledger import InsufficientCredits
 from proxy.credits.pricing import format_credits, parse_credits
+from proxy.credits.webhooks import Webhooks
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
 from proxy.http.body import read_json
 from proxy.identity import apikeys
@@ -48,8 +56,8 @@ from proxy.upstream.fleet_state import STARTING
 from proxy.upstream.pool import Backend
 from proxy.validate import RequestInvalid, validate
 
-__all__ = ["ADMIN_TOKEN_ENV", "BudgetBody", "CreateKeyBody", "CreditBody", "admin_token_matches",
-           "require_admin"]
+__all__ = ["ADMIN_TOKEN_ENV", "AlertBody", "BudgetBody", "CreateKeyBody", "CreditBody",
+           "WebhookBody", "admin_token_matches", "require_admin"]
 
 ADMIN_TOKEN_ENV = "GATEWAY_ADMIN_TOKEN"
 _BODY_CAP = 64 * 1024  # admin bodies are tiny
@@ -206,6 +214,92 @@ async def set_budget(request: web.Request) -> web.Response:
     return _json({"account": account_id, "postpaid": caps.get("postpaid") == "1",
                   "budgets": [budget_view(b) for b in budgets(caps, spent, held, time.time())]},
                  status=201)
+
+
+class AlertBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    below: Annotated[str, msgspec.Meta(
+        pattern=BUDGET_PATTERN,
+        description="Alert when the balance falls under this many credits; null: never")] | None
+
+
+class WebhookBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s/?#]+([/?#]\S*)?$",
+                                     max_length=2048,
+                                     description="Where alerts are POSTed")]
+    account: Annotated[str, msgspec.Meta(
+        pattern=ACCOUNT_PATTERN, description="Only this account's alerts; null: every "
+                                             "account's")] | None = None
+
+
+def _endpoint(endpoint: Endpoint) -> dict[str, Any]:
+    return {"id": endpoint.id, "url": endpoint.url,
+            "account": None if endpoint.account == "*" else endpoint.account,
+            "created": endpoint.created}
+
+
+async def set_alert(request: web.Request) -> web.Response:
+    """Set (or, with null, remove) the balance under which the account is alerted."""
+    await require_admin(request)
+    spec = _body(await read_json(request, _BODY_CAP), AlertBody)
+    account_id = _account_id(request)
+    micro = parse_credits(spec.below) if spec.below is not None else None
+    try:
+        await request.app[LEDGER].set_alert_below(account_id, micro)
+    except RedisError:
+        raise store_unavailable("credit store") from None
+    return _json({"account": account_id, "below": _money(micro) if micro is not None else None},
+                 status=201)
+
+
+async def list_alerts(request: web.Request) -> web.Response:
+    """The account's newest alerts (`?limit=`, at most 100) and each endpoint's delivery."""
+    await require_admin(request)
+    account_id = _account_id(request)
+    limit = request.query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise validation_failed([{"loc": ["query", "limit"], "msg": "an integer 1-100",
+                                  "type": "int_parsing"}])
+    try:
+        alerts = await Webhooks(request.app[REDIS]).alerts(account_id, int(limit))
+    except RedisError:
+        raise store_unavailable("credit store") from None
+    return _json({"object": "list", "data": [
+        {**a.body, "due": a.due, "deliveries": {
+            endpoint: {"state": d.state, "attempts": d.attempts, "last": d.last or None}
+            for endpoint, d in sorted(a.deliveries.items())}} for a in alerts]})
+
+
+async def add_webhook(request: web.Request) -> web.Response:
+    await require_admin(request)
+    spec = _body(await read_json(request, _BODY_CAP), WebhookBody)
+    try:
+        endpoint = await Webhooks(request.app[REDIS]).add(spec.url, spec.account)
+    except RedisError:
+        raise store_unavailable("credit store") from None
+    return _json({**_endpoint(endpoint), "secret": endpoint.secret}, status=201,
+                 headers={"Cache-Control": "no-store"})
+
+
+async def list_webhooks(request: web.Request) -> web.Response:
+    await require_admin(request)
+    try:
+        endpoints = await Webhooks(request.app[REDIS]).endpoints()
+    except RedisError:
+        raise store_unavailable("credit store") from None
+    return _json({"object": "list", "data": [_endpoint(e) for e in endpoints]})
+
+
+async def remove_webhook(request: web.Request) -> web.Response:
+    await require_admin(request)
+    webhooks = Webhooks(request.app[REDIS])
+    endpoint_id = request.match_info["endpoint_id"]
+    try:
+        found = [e for e in await webhooks.endpoints() if e.id == endpoint_id]
+        if not found or not await webhooks.remove(endpoint_id):
+            raise GatewayError(ErrorKind.NOT_FOUND, "no such webhook endpoint")
+    except RedisError:
+        raise store_unavailable("credit store") from None
+    return _json(_endpoint(found[0]))
 
 
 def _account_id(request: web.Request) -> str:

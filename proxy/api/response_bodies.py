@@ -125,6 +125,51 @@ class BudgetsView(msgspec.Struct, kw_only=True):
     budgets: list[BudgetView]
 
 
+class AlertSet(msgspec.Struct, kw_only=True):
+    account: str
+    below: Annotated[Money | None, Meta(description="null: no balance alert")]
+
+
+class WebhookView(msgspec.Struct, kw_only=True):
+    id: Annotated[str, Meta(description="`we_` + 16 hex digits")]
+    url: str
+    account: Annotated[str | None, Meta(description="null: every account's alerts")]
+    created: Annotated[int, Meta(description="Unix seconds")]
+
+
+class CreatedWebhook(WebhookView, kw_only=True):
+    secret: Annotated[str, Meta(description="Signs every delivery (Igw-Signature); shown "
+                                            "this once only")]
+
+
+class WebhookList(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[WebhookView]
+
+
+class Delivery(msgspec.Struct, kw_only=True):
+    state: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last: Annotated[str | None, Meta(description="The last attempt's outcome: `HTTP 503`, "
+                                                 "`timeout` ...")]
+
+
+class AlertView(msgspec.Struct, kw_only=True):
+    id: Annotated[str, Meta(description="The same on every delivery: receivers drop "
+                                        "duplicates by it")]
+    type: Literal["budget.threshold", "balance.low"]
+    created: Annotated[int, Meta(description="Unix seconds")]
+    account: str
+    data: Annotated[JSONObject, Meta(description="docs/credits.md#alerts")]
+    due: Annotated[bool, Meta(description="Still to be attempted")]
+    deliveries: Annotated[dict[str, Delivery], Meta(description="Endpoint id -> its delivery")]
+
+
+class AlertList(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[AlertView]
+
+
 class UsageTotals(msgspec.Struct, kw_only=True):
     requests: int
     prompt_tokens: int

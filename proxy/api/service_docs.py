@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from proxy.api.account import ENTRY_ID_PATTERN, PAGE_MAX
-from proxy.api.admin import BudgetBody, CreateKeyBody, CreditBody
+from proxy.api.admin import AlertBody, BudgetBody, CreateKeyBody, CreditBody, WebhookBody
 from proxy.api.doc_types import (
     ADMIN,
     EXAMPLE_MODEL,
@@ -30,8 +30,11 @@ from proxy.api.ollama_discovery import ShowRequest
 from proxy.api.response_bodies import (
     AccountKeys,
     AccountView,
+    AlertList,
+    AlertSet,
     BudgetsView,
     CreatedKey,
+    CreatedWebhook,
     CreditsAdded,
     Health,
     KeyList,
@@ -43,6 +46,8 @@ from proxy.api.response_bodies import (
     Reloaded,
     TaskRecord,
     Usage,
+    WebhookList,
+    WebhookView,
 )
 from proxy.identity.apikeys import KEY_ID_HEX, KEY_ID_PREFIX
 from proxy.identity.keystore import ACCOUNT_PATTERN
@@ -178,6 +183,29 @@ ADMIN_BUDGETS: Final = _admin(
     when={404: "No such key in this account (not_found)",
           409: "A key's budget would pass its account's, or the account's fall under a "
                "key's (conflict)", 503: "The credit store is unreachable"})
+ADMIN_ALERT: Final = _admin(
+    "Set or remove the balance under which the account is alerted (webhooks)",
+    Response("The threshold now", AlertSet), *_BODY_ERRORS, 503, request=AlertBody,
+    params=(_ACCOUNT_PARAM,), when={503: "The credit store is unreachable"})
+ADMIN_ALERTS: Final = _admin(
+    "The account's alerts, newest first, and each endpoint's delivery",
+    Response("Alerts", AlertList), 422, 503,
+    params=(_ACCOUNT_PARAM, ("query", Param("limit", {"type": "integer", "minimum": 1,
+                                                      "maximum": 100}, "At most this many "
+                                            "(20 by default)"))),
+    when={503: "The credit store is unreachable"})
+ADMIN_ADD_WEBHOOK: Final = _admin(
+    "Register an endpoint for budget and balance alerts (its signing secret shown once)",
+    Response("The endpoint and its secret", CreatedWebhook, JSON,
+             {"Cache-Control": Header("`no-store`: the secret is shown once", required=True)}),
+    *_BODY_ERRORS, 503, request=WebhookBody, when={503: "The credit store is unreachable"})
+ADMIN_LIST_WEBHOOKS: Final = _admin(
+    "The alerts' endpoints (never their secrets)", Response("Endpoints", WebhookList), 503,
+    when={503: "The credit store is unreachable"})
+ADMIN_REMOVE_WEBHOOK: Final = _admin(
+    "Stop sending alerts to an endpoint", Response("The removed endpoint", WebhookView), 404,
+    503, params=(("path", Param("endpoint_id", {"type": "string"}, required=True)),),
+    when={404: "No endpoint has this id (not_found)", 503: "The credit store is unreachable"})
 ADMIN_RELOAD: Final = Doc(
     summary="Reload policies/ (as SIGHUP does)", tags=("admin",), security=(ADMIN,),
     auth_optional=False,

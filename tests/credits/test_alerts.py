@@ -247,3 +247,47 @@ def test_attempts_back_off_then_give_up() -> None:
     delivered = Attempts()
     delivered.record(True, "HTTP 200", 5.0, (10.0,))
     assert delivered.state == "delivered" and delivered.attempts == 1
+
+
+async def test_the_admin_api_registers_endpoints_thresholds_and_lists_alerts(
+        gateway: GatewayFactory, simulator: SimulatorFactory, clean_redis: RedisProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "admin-token-for-tests")
+    sim = await simulator(default_completion_tokens=16)
+    gw = await gateway(sim, policies={"prices.toml": PRICES, "tiers.toml": GENEROUS_TIERS},
+                       alerts={"every_s": 60.0})  # nothing is sent during this test
+
+    async def call(method: str, path: str, **kwargs: Any) -> tuple[int, dict[str, str], Any]:
+        async with aiohttp.ClientSession() as s, s.request(
+                method, gw.make_url(path), headers=ADMIN, **kwargs) as r:
+            return r.status, dict(r.headers), await r.json()
+
+    status, headers, made = await call("POST", "/admin/webhooks",
+                                       json={"url": "https://hooks.example.com/igw?t=1"})
+    assert status == 201 and headers["Cache-Control"] == "no-store", made
+    assert made["secret"].startswith("whsec_") and made["account"] is None
+    status, _, listed = await call("GET", "/admin/webhooks")
+    assert listed["data"] == [{k: v for k, v in made.items() if k != "secret"}]
+    status, _, refused = await call("POST", "/admin/webhooks", json={"url": "ftp://x"})
+    assert status == 422 and refused["error"]["type"] == "validation_error"
+
+    key = await new_key(clean_redis.url, "max", account="acct-api")
+    await call("POST", "/admin/accounts/acct-api/credits", json={"amount": "0.001"})
+    status, _, set_ = await call("POST", "/admin/accounts/acct-api/alerts",
+                                 json={"below": "0.0008"})
+    assert status == 201 and set_["below"]["micro_credits"] == 800
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):  # ~110 micro-credits each: under 800 on the second
+            async with s.post(gw.make_url(CHAT), json=BODY, headers={"X-API-Key": key}) as r:
+                assert r.status == 200
+    await settled(gw)
+    status, _, alerts = await call("GET", "/admin/accounts/acct-api/alerts?limit=5")
+    assert status == 200 and [a["type"] for a in alerts["data"]] == ["balance.low"], alerts
+    assert alerts["data"][0]["data"]["threshold"]["micro_credits"] == 800
+    assert alerts["data"][0]["due"] is True and alerts["data"][0]["deliveries"] == {}
+    assert (await call("GET", "/admin/accounts/acct-api/alerts?limit=0"))[0] == 422
+
+    status, _, removed = await call("DELETE", f"/admin/webhooks/{made['id']}")
+    assert status == 200 and removed["id"] == made["id"]
+    assert (await call("DELETE", f"/admin/webhooks/{made['id']}"))[0] == 404
+    assert (await call("GET", "/admin/webhooks"))[2]["data"] == []

@@ -390,7 +390,7 @@ def settle_call(account: str, hold_id: str, cost: int, held: int, status: str, m
     for unit, count in units.items():
         args += (unit, count)
     names = [keys.balance, keys.holds, keys.hold_expiry, keys.journal, keys.usage, keys.ended,
-             *keys.budgets[1:], keys.budgets[0], *keys.alerts]
+             *keys.budgets[1:], *keys.alerts]
     if tokens:
         names += tokens.keys(keys)
     return names, args

@@ -82,16 +82,17 @@ if prompt + completion > 0 then
     local h, z = KEYS[first_key + 2 * i - 1], KEYS[first_key + 2 * i]
     local bucket = math.floor(now_s / size)
     local cutoff = bucket - span
-    local got = redis.call('HMGET', h, 't', 'o', 'r')  -- total, oldest bucket, reserved
-    local total = tonumber(got[1] or '0')
-    if got[2] and tonumber(got[2]) < cutoff then  -- buckets that left take their tokens along
+    -- total, oldest bucket, reserved, this bucket: read in one call, written in one (below)
+    local got = redis.call('HMGET', h, 't', 'o', 'r', bucket)
+    local total, oldest = tonumber(got[1] or '0'), got[2]
+    if oldest and tonumber(oldest) < cutoff then  -- buckets that left take their tokens along
       for _, b in ipairs(redis.call('ZRANGEBYSCORE', z, '-inf', '(' .. cutoff)) do
         total = total - tonumber(redis.call('HGET', h, b) or '0')
         redis.call('HDEL', h, b)
       end
       redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. cutoff)
       redis.call('HSET', h, 't', total)
-      local oldest = redis.call('ZRANGE', z, 0, 0)[1]
+      oldest = redis.call('ZRANGE', z, 0, 0)[1]
       if oldest then redis.call('HSET', h, 'o', oldest) else redis.call('HDEL', h, 'o') end
     end
     if total + tokens > cap then
@@ -113,21 +114,27 @@ if prompt + completion > 0 then
       end
       return {4, unspent, 0, 0, lefts, math.max(at, 1), '', i}
     end
-    windows[i] = {cap, size, span, h, z, code, tokens, tostring(bucket)}
+    windows[i] = {cap, size, span, h, z, code, tokens, tostring(bucket), total, oldest,
+                  tonumber(got[3] or '0'), got[4]}
     lefts[i] = cap - total - tokens
   end
   local reserved = {}
   for i, w in ipairs(windows) do
     local h, z, tokens, b = w[4], w[5], w[7], w[8]
     if tokens > 0 then
-      if redis.call('HINCRBY', h, b, tokens) == tokens then  -- a new bucket (or one at zero)
+      local fields = {b, tonumber(w[12] or '0') + tokens, 't', w[9] + tokens}
+      if w[2] == 1 then  -- what is reserved: the Retry-After hint's
+        fields[5], fields[6] = 'r', w[11] + tokens
+      end
+      if not w[12] then  -- a new bucket
         redis.call('ZADD', z, b, b)
-        redis.call('HSETNX', h, 'o', b)
+        if not w[10] then fields[#fields + 1], fields[#fields + 2] = 'o', b end
+        redis.call('HSET', h, unpack(fields))
         redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)  -- the window lives a span more
         redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
+      else
+        redis.call('HSET', h, unpack(fields))
       end
-      redis.call('HINCRBY', h, 't', tokens)
-      if w[2] == 1 then redis.call('HINCRBY', h, 'r', tokens) end  -- the Retry-After hint's
     end
     reserved[i] = w[6] .. ':' .. tokens .. ':' .. b
   end
@@ -161,10 +168,10 @@ local names = {'a:d', 'a:w', 'a:m'}
 if ARGV[9] ~= '' then
   for _, p in ipairs({'d', 'w', 'm'}) do names[#names + 1] = 'k:' .. ARGV[9] .. ':' .. p end
 end
-local caps = redis.call('HMGET', KEYS[6], 'postpaid', unpack(names))
-local budgets = {}
+local caps = redis.call('HMGET', KEYS[6], 'postpaid', 'below', unpack(names))
+local budgets, marks = {}, {}  -- the budgets' fields; the hold's marks (soft_state.lua)
 for i, name in ipairs(names) do
-  local cap = caps[i + 1]
+  local cap = caps[i + 2]
   if cap then
     local index = period_index(string.sub(name, -1), now_s)
     local field = name .. ':' .. index
@@ -172,12 +179,15 @@ for i, name in ipairs(names) do
     local used = spent + tonumber(redis.call('HGET', KEYS[8], field) or '0')
     if used + amount > tonumber(cap) then
       unreserve()
-      alert_budget(KEYS[6], KEYS[9], KEYS[10], KEYS[11], field, spent, 0, used - spent, true)
+      alert_budget(KEYS[9], KEYS[10], KEYS[11], field, tonumber(cap), spent, 0, used - spent,
+                   true)
       return {5, remaining, reset, tonumber(cap) - used, lefts, tokens_reset, name, 0}
     end
     budgets[#budgets + 1] = field
+    marks[#marks + 1] = field .. '=' .. cap
   end
 end
+if caps[2] then marks[#marks + 1] = 'below=' .. caps[2] end
 -- Every redis.call costs about a microsecond warm and several on a busy core, so the common
 -- path is written in as few as it takes: the hold is claimed and the amount taken first, and
 -- both are given back in the rare refusal (no one sees the difference: the script is atomic).
@@ -195,8 +205,6 @@ end
 redis.call('HINCRBY', KEYS[3], 'held', ARGV[4])
 redis.call('ZADD', KEYS[5], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
 if holds ~= 'kept' then redis.call('HSET', KEYS[4], '@run', run) end  -- the first hold here
-if #budgets > 0 then
-  for _, field in ipairs(budgets) do redis.call('HINCRBY', KEYS[8], field, ARGV[4]) end
-  redis.call('HSET', KEYS[8], 'h:' .. ARGV[3], table.concat(budgets, ','))
-end
+for _, field in ipairs(budgets) do redis.call('HINCRBY', KEYS[8], field, ARGV[4]) end
+if #marks > 0 then redis.call('HSET', KEYS[8], 'h:' .. ARGV[3], table.concat(marks, ',')) end
 return {1, remaining, reset, left, lefts, tokens_reset, '', 0}

@@ -1,6 +1,8 @@
 -- Alerts (proxy.credits.alerts): a budget's charged spend crossing 50, 80 or 100 % of its cap,
 -- a cap refusing its first request of a period (100 %: the budget is used up for that
 -- request), and the balance falling under the account's threshold ('below' in the caps hash).
+-- The caps and the threshold are those admission read for the request (the hold's marks:
+-- soft_state.lua), so settling reads no caps.
 -- Each is recorded once, atomically with what caused it: per cap, percent and period, and per
 -- top-up for the balance (the 'alerted' hash keeps what was last alerted). It goes into the
 -- account's alerts stream and is due for delivery at once ('alerts_open': stream id -> when);
@@ -13,12 +15,11 @@ local function record_alert(stream, open, fields)
   redis.call('ZADD', open, '0', id)
 end
 
--- A budget's field ('<cap>:<period number>') now at `spent` after a charge of `charge`; or,
--- with `refused`, a request refused by it (spent and held as they are).
-local function alert_budget(caps, stream, open, alerted, field, spent, charge, held, refused)
+-- A budget's field ('<cap>:<period number>', its cap `cap`) now at `spent` after a charge of
+-- `charge`; or, with `refused`, a request refused by it (spent and held as they are).
+local function alert_budget(stream, open, alerted, field, cap, spent, charge, held, refused)
   local name, index = string.match(field, '^(.*):(%d+)$')
-  local cap = tonumber(redis.call('HGET', caps, name) or '0')
-  if cap <= 0 then return end  -- removed, or 0: frozen on purpose
+  if cap <= 0 then return end  -- 0: frozen on purpose
   for _, percent in ipairs({50, 80, 100}) do
     local mark = cap * percent / 100
     local crossed = spent >= mark and spent - charge < mark
@@ -34,14 +35,13 @@ local function alert_budget(caps, stream, open, alerted, field, spent, charge, h
   end
 end
 
--- The balance (credited - spent: what is left, holds included) after a charge of `charge`.
-local function alert_balance(balance, caps, stream, open, alerted, charge)
-  local below = redis.call('HGET', caps, 'below')
-  if not below then return end
+-- The balance (credited - spent: what is left, holds included) after a charge of `charge`,
+-- against the threshold `below`.
+local function alert_balance(balance, stream, open, alerted, charge, below)
   local got = redis.call('HMGET', balance, 'credited', 'spent')
   local credited = got[1] or '0'
   local left = tonumber(credited) - tonumber(got[2] or '0')
-  if left < tonumber(below) and left + charge >= tonumber(below)
+  if left < below and left + charge >= below
       and redis.call('HGET', alerted, 'below') ~= credited then
     redis.call('HSET', alerted, 'below', credited)
     record_alert(stream, open, {'type', 'balance', 'threshold', below, 'balance', left})

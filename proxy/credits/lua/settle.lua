@@ -16,8 +16,8 @@
 -- the account's threshold, records an alert in the same step (alerts.lua, prepended).
 --
 -- KEYS: balance hash, holds hash, hold expiry zset, journal stream, totals hash, ended zset,
---       budgets spent hash, budget holds hash, budgets hash (caps), alerts stream, alerts due
---       zset, alerted hash, then, for a request that reserved tokens (its token limits):
+--       budgets spent hash, budget holds hash, alerts stream, alerts due zset, alerted
+--       hash, then, for a request that reserved tokens (its token limits):
 --       its reservation and the buckets hash of each window it reserved in
 --       (token_settle.lua, prepended)
 -- ARGV: hold id ('' for none), cost, amount held, status, model, details (JSON), journal
@@ -30,12 +30,13 @@
 -- Figures go to redis.call as the strings they came in where they can: Lua turns a number into
 -- a string with sprintf on every call, a measurable share of this script's cost.
 local now = redis.call('TIME')
-if ARGV[10] ~= '' and #KEYS >= 13 then  -- its tokens, once, whatever became of its hold
-  settle_tokens(KEYS[13], 14, tonumber(ARGV[10]), tonumber(ARGV[11]))
+if ARGV[10] ~= '' and #KEYS >= 12 then  -- its tokens, once, whatever became of its hold
+  settle_tokens(KEYS[12], 13, tonumber(ARGV[10]), tonumber(ARGV[11]))
 end
 local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'
 local recovered = '0'
+local below  -- the balance threshold for alerts, when the hold's marks carry one
 if ARGV[1] ~= '' then
   forget_stale_holds(KEYS[1], KEYS[2], KEYS[3], this_run(ARGV[9]), KEYS[8])
   held = redis.call('HGET', KEYS[2], ARGV[1])  -- a hold still there has not ended
@@ -53,20 +54,25 @@ if ARGV[1] ~= '' then
     redis.call('HINCRBY', KEYS[1], 'available', held)
     redis.call('HDEL', KEYS[2], ARGV[1])
     redis.call('ZREM', KEYS[3], ARGV[1])
-    local budgets = release_budgets(KEYS[8], ARGV[1], held)
+    local marks = release_budgets(KEYS[8], ARGV[1], held)
     redis.set_repl(redis.REPL_ALL)
-    if budgets and charge > 0 then  -- what it cost counts against the budgets it was held in
-      for field in string.gmatch(budgets, '[^,]+') do
-        local spent = redis.call('HINCRBY', KEYS[7], field, charge)
-        local name, index = string.match(field, '^(.*):(%d+)$')
-        redis.call('HDEL', KEYS[7], name .. ':' .. (tonumber(index) - 2))  -- periods long over
-        alert_budget(KEYS[9], KEYS[10], KEYS[11], KEYS[12], field, spent, charge, 0, false)
+    if marks and charge > 0 then  -- what it cost counts against the budgets it was held in
+      for field, cap in string.gmatch(marks, '([^,=]+)=(%d+)') do
+        if field == 'below' then
+          below = tonumber(cap)
+        else
+          local spent = redis.call('HINCRBY', KEYS[7], field, charge)
+          local name, index = string.match(field, '^(.*):(%d+)$')
+          redis.call('HDEL', KEYS[7], name .. ':' .. (tonumber(index) - 2))  -- long over
+          alert_budget(KEYS[9], KEYS[10], KEYS[11], field, tonumber(cap), spent, charge, 0,
+                       false)
+        end
       end
     end
   end
   redis.call('HINCRBY', KEYS[1], 'available', 0 - charge)  -- never -0
   redis.call('HINCRBY', KEYS[1], 'spent', charge)
-  if charge > 0 then alert_balance(KEYS[1], KEYS[9], KEYS[10], KEYS[11], KEYS[12], charge) end
+  if below then alert_balance(KEYS[1], KEYS[9], KEYS[10], KEYS[11], charge, below) end
   -- Ended ids are kept two minutes: longer than any retry of a settlement.
   redis.call('ZADD', KEYS[6], now[1], ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', tonumber(now[1]) - 120)

@@ -32,16 +32,18 @@ local function forget_stale_holds(balance, holds, expiry, run, capheld)
   return 'forgotten'
 end
 
--- A hold that ends stops counting against the budgets it counted against (admit.lua recorded
--- which, as 'h:<hold id>' in the budget holds hash). Returns those budgets' fields (or nil).
+-- A hold that ends stops counting against the budgets it counted against. admit.lua recorded
+-- them, with each cap in force then, and the balance threshold for alerts, as the hold's marks
+-- ('h:<hold id>' in the budget holds hash: '<field>=<cap>,...,below=<threshold>'). Returns
+-- the marks (or nil), for settle.lua's alerts.
 local function release_budgets(capheld, hold_id, held)
-  local fields = redis.call('HGET', capheld, 'h:' .. hold_id)
-  if not fields then return nil end
+  local marks = redis.call('HGET', capheld, 'h:' .. hold_id)
+  if not marks then return nil end
   redis.call('HDEL', capheld, 'h:' .. hold_id)
-  for field in string.gmatch(fields, '[^,]+') do
-    if redis.call('HINCRBY', capheld, field, -tonumber(held)) <= 0 then
+  for field in string.gmatch(marks, '([^,=]+)=%d+') do
+    if field ~= 'below' and redis.call('HINCRBY', capheld, field, -tonumber(held)) <= 0 then
       redis.call('HDEL', capheld, field)
     end
   end
-  return fields
+  return marks
 end

@@ -19,9 +19,11 @@ local function settle_tokens(reservation, hashes, prompt, completion)
       if kind == 'i' then used = prompt elseif kind == 'o' then used = completion end
       reserved = tonumber(reserved)
       if h and reserved > 0 and tonumber(b) >= math.floor(now_s / size) - span then
-        redis.call('HINCRBY', h, b, used - reserved)
-        redis.call('HINCRBY', h, 't', used - reserved)
-        if size == 1 then redis.call('HINCRBY', h, 'r', -reserved) end
+        local got = redis.call('HMGET', h, b, 't', 'r')  -- read in one call, written in one
+        local fields = {b, tonumber(got[1] or '0') + used - reserved,
+                        't', tonumber(got[2] or '0') + used - reserved}
+        if size == 1 then fields[5], fields[6] = 'r', tonumber(got[3] or '0') - reserved end
+        redis.call('HSET', h, unpack(fields))
       end
     end
   end

@@ -5,7 +5,10 @@ calendar month, on top of the prepaid balance (or instead of it: a postpaid acco
                                 key's), in micro-credits; 'postpaid' = '1' (no balance check);
                                 'below': the balance alerts' threshold (credits.alerts)
     spent     igw:{A}:capspent  '<cap>:<period number>' -> charged in that period (persisted)
-    held      igw:{A}:capheld   the same fields -> what holds count against it now (soft)
+    held      igw:{A}:capheld   the same fields -> what holds count against it now (soft);
+                                'h:<hold id>' -> the hold's marks: the budgets it counts
+                                against and their caps, and the balance threshold, as
+                                admission read them ('<field>=<cap>,...,below=<threshold>')
 
 Admission (credits/lua/admit.lua) refuses a hold that would take a cap's spent + held past it;
 settlement moves the hold's part to what was charged. A period's figures are kept under its

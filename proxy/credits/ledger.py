@@ -14,6 +14,9 @@ Per account A (keys share the hash tag `{A}`, so each script stays in one Cluste
     igw:{A}:ended     zset    hold and top-up ids done in the last two minutes (a retried settle
                               or top-up whose reply was lost changes nothing)
     igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)
+    igw:{A}:tk:<tier>:<scope>:<code>  hash + zset: a token window (credits.token_windows)
+    igw:{A}:caps, capspent, capheld   budgets (credits.budgets) and the balance threshold
+    igw:{A}:alerts, alerts_due, alerted, alerts_sent   alerts (credits.alerts, .webhooks)
 
 Value moves credited -> available -> held -> spent (or back to available), so at every moment
 `credited == available + held + spent` and `held == sum(holds)`. Holds and windows are soft

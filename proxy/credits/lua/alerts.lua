@@ -5,8 +5,8 @@
 -- soft_state.lua), so settling reads no caps.
 -- Each is recorded once, atomically with what caused it: per cap, percent and period, and per
 -- top-up for the balance (the 'alerted' hash keeps what was last alerted). It goes into the
--- account's alerts stream and is due for delivery at once ('alerts_open': stream id -> when);
--- the leased sender (proxy.credits.alert_sender) delivers it. Recorded events are persisted.
+-- account's alerts stream and is due for delivery at once ('alerts_due': stream id -> when);
+-- the leased sender (proxy.credits.webhooks) delivers it. Recorded events are persisted.
 -- (Prepended to settle.lua and admit.lua.)
 
 local function record_alert(stream, open, fields)

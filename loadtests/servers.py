@@ -71,13 +71,13 @@ class Server:
     """One child process, its output in a log file."""
 
     def __init__(self, name: str, args: Sequence[str], log_path: Path, core: int | None,
-                 root: Path = ROOT) -> None:
+                 root: Path = ROOT, env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=root, env=child_env(), start_new_session=True,
+                cwd=root, env={**child_env(), **(env or {})}, start_new_session=True,
                 preexec_fn=_child_setup(core),
             )
 
@@ -116,16 +116,25 @@ class Server:
         return ServerFailed(f"{self.name} {why}; its last output:\n{self.log_tail()}")
 
 
-def wait_ready(url: str, *, timeout: float = 30.0, server: Server | None = None) -> None:
-    """Poll `url` until it answers 200; fail fast when the server has already exited."""
+def wait_ready(url: str, *, timeout: float = 30.0, server: Server | None = None,
+               in_a_row: int = 1) -> None:
+    """Poll `url` until it answers 200 `in_a_row` times (each on a fresh connection, which the
+    kernel gives to any of a gateway's workers: several in a row mean each one is ready); fail
+    fast when the server has already exited."""
     deadline = time.monotonic() + timeout
+    ready = 0
     while True:
         if server is not None and server.popen.poll() is not None:
             raise server.failed(f"exited with code {server.popen.returncode}")
+        ok = False
         # URLError (refused, or HTTPError for a 503 while not ready yet) is an OSError.
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
-            if resp.status == 200:
-                return
+            ok = resp.status == 200
+        ready = ready + 1 if ok else 0
+        if ready >= in_a_row:
+            return
+        if ok:
+            continue
         if time.monotonic() > deadline:
             if server is not None:
                 raise server.failed(f"not ready at {url} after {timeout:.0f} s")
@@ -146,12 +155,12 @@ def nginx_args(binary: str, conf: Path) -> list[str]:
 
 def simulator_args(
     kind: str, port: int, model: str, *, completion_tokens: int, tokens_per_s: float = 0,
-    max_concurrency: int = 128,
+    max_concurrency: int = 128, ttft_ms: float = 0,
 ) -> list[str]:
     return [
         sys.executable, "-m", "proxy", "simulate", kind, "--host", "127.0.0.1",
         "--port", str(port), "--model", model, "--tokens-per-s", f"{tokens_per_s:g}",
-        "--ttft-ms", "0", "--completion-tokens", str(completion_tokens),
+        "--ttft-ms", f"{ttft_ms:g}", "--completion-tokens", str(completion_tokens),
         # The TGI simulator answers 429 above its cap, which would count as gateway errors.
         "--max-concurrency", str(max_concurrency),
     ]

@@ -127,6 +127,28 @@ def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> N
     assert took < 40, f"--quick took {took:.0f} s"
 
 
+def test_race_small_run_holds_the_token_limit_and_the_budget(tmp_path: Path) -> None:
+    """`python -m loadtests.race` made small (~10 s): a real Redis Cluster, two one-worker
+    gateways, 40 requests at once, two rounds on fresh accounts. Every property holds: only 200,
+    429 (the token limit's) and 402 (the budget's), both limits bind, nothing over-admitted,
+    the window, journal and engine agree, reconcile is clean."""
+    out = tmp_path / "race.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtests.race", "--requests", "40", "--gateways", "2",
+         "--workers", "1", "--rounds", "2", "--strict", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["passed"] is True and len(found["rounds"]) == 2
+    assert [c["name"] for c in found["checks"] if not c["passed"]] == []
+    for rnd in found["rounds"]:
+        kinds = {(a["status"], a["error_type"]) for a in rnd["answers"]}
+        assert kinds == {(200, ""), (429, "rate_limited"), (402, "budget_exceeded")}, kinds
+        assert rnd["charges"] == sum(1 for a in rnd["answers"] if a["status"] == 200)
+    assert "-> PASS" in result.stdout
+
+
 def test_mock_stream_is_52_events_vllm_would_send() -> None:
     events = mock.stream_events()
     assert len(events) == mock.STREAM_EVENTS == 52

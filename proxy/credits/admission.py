@@ -241,10 +241,14 @@ class Admitter:
     async def _index(self, account: str) -> None:
         """Put the account in the sweeper's index once per process (not a round trip per hold)."""
         if account not in self._indexed:
-            await self._ledger.redis.sadd(ACCOUNTS, account)
             if len(self._indexed) > 100_000:
                 self._indexed.clear()
-            self._indexed.add(account)
+            self._indexed.add(account)  # first: a burst on a new account sends one SADD
+            try:
+                await self._ledger.redis.sadd(ACCOUNTS, account)
+            except RedisError:
+                self._indexed.discard(account)
+                raise
 
     async def _store_down(self, tier_name: str, tier: TierPolicy, bucket: str) -> Window:
         if tier.store_down == "closed":

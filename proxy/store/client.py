@@ -19,8 +19,10 @@ failover.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -36,7 +38,7 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.config import Config
@@ -69,19 +71,43 @@ class _Pool(BlockingConnectionPool):
             raise
 
 
+async def _waiting(command: Callable[[], Awaitable[Any]]) -> Any:
+    """Run `command`, waiting up to POOL_WAIT_S for a free connection as `_Pool` does: the
+    Cluster's and the Sentinel primary's pools fail at once past their size (redis-py's
+    MaxConnectionsError, a ConnectionError: it would pass for an outage under a burst)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + POOL_WAIT_S
+    while True:
+        try:
+            return await command()
+        except MaxConnectionsError as exc:
+            if loop.time() >= deadline:
+                raise StoreBusy("no Redis connection free") from exc
+            await asyncio.sleep(0.002)
+
+
 class _Cluster(RedisCluster):
     """redis-py's Cluster client, whose "no node reachable" is a connection error like any
-    other store outage (it raises a bare RedisClusterException, which no caller expects)."""
+    other store outage (it raises a bare RedisClusterException, which no caller expects), and
+    whose callers wait for a free connection."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        command = super().execute_command
         try:
-            return await super().execute_command(*args, **kwargs)
+            if self._initialize:  # mapped once, under its lock, before any command runs:
+                await self.initialize()  # a burst of first commands would each remap it
+            return await _waiting(lambda: command(*args, **kwargs))
         except RedisClusterException as exc:
             raise RedisConnectionError("no Redis Cluster node reachable") from exc
 
 
 class _SentinelPrimary(Redis):
-    """The Sentinels' primary, whose aclose() also closes its connections to the Sentinels."""
+    """The Sentinels' primary, whose callers wait for a free connection, and whose aclose()
+    also closes its connections to the Sentinels."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        command = super().execute_command
+        return await _waiting(lambda: command(*args, **options))  # type: ignore[no-untyped-call]
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)

@@ -1,6 +1,6 @@
 """The store's URLs (one server, Cluster, Sentinel) and the lease that makes background work run
-once across the fleet. Real redis-server processes; the Cluster and Sentinel themselves are in
-test_scale_out.py."""
+once across the fleet, and a burst past the pool on a Cluster and Sentinel. Real redis-server
+processes; the Cluster and Sentinel under the gateway are in test_scale_out.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.store.client import Primaries, connect_redis, store_kind, url_problem
+from proxy.store.client import POOL_SIZE, Primaries, connect_redis, store_kind, url_problem
 from proxy.store.lease import Lease, lease_key
 from proxy.store.redis_process import RedisProcess
 from tests.support.fleet import REPO
 from tests.support.processes import free_port
+from tests.support.redis_topologies import ClusterProcesses, SentinelProcesses
 
 
 def test_store_kinds() -> None:
@@ -113,3 +114,26 @@ async def test_a_lease_is_not_held_while_the_store_is_down() -> None:
         assert not await Lease(redis, "sweeper").hold(ttl_s=1)
     finally:
         await redis.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a_burst_past_the_pool_waits_for_a_connection_on_a_cluster_and_sentinel(
+        tmp_path: Path) -> None:
+    """Twice the pool's connections, each held 0.3 s (BLPOP on an empty list) on one node, as
+    a new client's first commands: the Cluster's and the Sentinel primary's clients wait for a
+    free connection as the one-server pool does, rather than failing at once as an outage
+    would (redis-py's MaxConnectionsError: 503 "unreachable" under a burst, seen in
+    loadtests.race); and a new Cluster client maps the Cluster once, before the burst's first
+    commands run (each remapping it closed the others' connections under them: 503s, and an
+    AttributeError, a 500)."""
+    for topology in (ClusterProcesses(tmp_path / "cluster", replicas_per_master=0),
+                     SentinelProcesses(tmp_path / "sentinel")):
+        with topology:
+            store = connect_redis(topology.url)
+            try:
+                waits = await asyncio.gather(
+                    *(store.blpop(["igw:{burst}:empty"], timeout=0.3)
+                      for _ in range(2 * POOL_SIZE)), return_exceptions=True)
+                assert waits == [None] * (2 * POOL_SIZE), {type(w) for w in waits}
+            finally:
+                await store.aclose()

@@ -198,10 +198,15 @@ async def budget_now(redis: Store, account: str) -> tuple[int, int]:
     return int(charged or 0), int(holding or 0)
 
 
+def minute_window(account: str) -> str:
+    """The tier's tokens-a-minute window (its buckets hash: 't' total, 'r' reserved)."""
+    return AccountKeys.of(account).token_window(TIER, "*:tm")[0]
+
+
 async def peek(redis: Store, account: str, rnd: Round) -> None:
     """One look at the minute window's total and the budget's spent + held: keeps the most."""
     total, (spent, held) = await asyncio.gather(
-        redis.hget(AccountKeys.of(account).tokens(TIER)[0], "t"), budget_now(redis, account))
+        redis.hget(minute_window(account), "t"), budget_now(redis, account))
     rnd.peak_window = max(rnd.peak_window, int(total or 0))
     rnd.peak_budget = max(rnd.peak_budget, spent + held)
 
@@ -215,7 +220,7 @@ async def sample(redis: Store, account: str, rnd: Round, stop: asyncio.Event) ->
 async def settle(ledger: Ledger, account: str, timeout_s: float = 30.0) -> str:
     """Waits until every hold of the account ended and the window's reservations are gone;
     what is left after `timeout_s` ("" when nothing)."""
-    window = AccountKeys.of(account).tokens(TIER)[0]
+    window = minute_window(account)
     deadline = time.monotonic() + timeout_s
     while True:
         left = ((await ledger.balance(account)).held, len(await ledger.open_holds(account)),
@@ -262,7 +267,7 @@ async def race(n: int, urls: list[str], sim: str, ledger: Ledger, requests: int)
     rnd.estimated = sum(1 for e in charges if e.get("estimated"))
     rnd.tokens = sum(int(e["prompt_tokens"]) + int(e["completion_tokens"]) for e in charges)
     rnd.spend = sum(int(e["cost"]) for e in charges)
-    total, reserved = await ledger.redis.hmget(AccountKeys.of(rnd.account).tokens(TIER)[0],
+    total, reserved = await ledger.redis.hmget(minute_window(rnd.account),
                                                ["t", "r"])
     rnd.window_total, rnd.window_reserved = int(total or 0), int(reserved or 0)
     rnd.budget_spent, rnd.budget_held = await budget_now(ledger.redis, rnd.account)

@@ -61,7 +61,6 @@ from proxy.config import Policies, TierPolicy
 from proxy.credits import idempotency
 from proxy.credits.meter import Meter, Result
 from proxy.credits.pricing import format_credits
-from proxy.credits.token_windows import token_windows
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.families import chat as chat_family
 from proxy.families.base import Ctx, Family
@@ -135,7 +134,8 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     ctx = _ctx(request, policies, principal)
     meter = app[METERING].chat(policies.prices, principal, call.model, mode, style.name,
                                ctx.request_id, call.openai_body, cap,
-                               token_windows(tier, policies.tiers.group_of(call.model)))
+                               snapshot.token_windows.of(principal.tier, tier,
+                                                         policies.tiers.group_of(call.model)))
     result = Result(captured=[] if claim else None)
     response: web.StreamResponse | None = None
     claimed = False

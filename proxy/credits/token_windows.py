@@ -69,6 +69,20 @@ def token_windows(tier: TierPolicy, group: str) -> tuple[TokenWindow, ...]:
     return found + tuple(_limits(group, limits)) if limits is not None else found
 
 
+class WindowsByTier:
+    """Each tier's windows per model group, worked out once per policy version (the policy
+    snapshot holds one): a request reads them rather than building them."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[str, str], tuple[TokenWindow, ...]] = {}
+
+    def of(self, tier_name: str, tier: TierPolicy, group: str) -> tuple[TokenWindow, ...]:
+        found = self._found.get((tier_name, group))
+        if found is None:
+            found = self._found[tier_name, group] = token_windows(tier, group)
+        return found
+
+
 def all_token_windows(tier: TierPolicy) -> tuple[TokenWindow, ...]:
     """Every window of the tier: its own, then each group's (for /v2/account)."""
     found = list(_limits(ALL_MODELS, tier))

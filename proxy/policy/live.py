@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
 from proxy.config import Config, ConfigError, Policies, load_config
+from proxy.credits.token_windows import WindowsByTier
 from proxy.identity.auth import Authenticator
 from proxy.identity.keystore import KeyStore
 from proxy.store.client import Store
@@ -32,6 +33,7 @@ class PolicySnapshot:
     policies: Policies
     auth: Authenticator
     version: int
+    token_windows: WindowsByTier = field(default_factory=WindowsByTier)
 
 
 class LivePolicies:

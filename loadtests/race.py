@@ -200,7 +200,7 @@ async def budget_now(redis: Store, account: str) -> tuple[int, int]:
 
 def minute_window(account: str) -> str:
     """The tier's tokens-a-minute window (its buckets hash: 't' total, 'r' reserved)."""
-    return AccountKeys.of(account).token_window(TIER, "*:tm")[0]
+    return AccountKeys.of(account).token_window(TIER, "*:tm")
 
 
 async def peek(redis: Store, account: str, rnd: Round) -> None:

@@ -147,7 +147,7 @@ class Admitter:
                                  completion if windows else 0, principal.key_id or ""]
         token_keys: list[str] = []
         for w in windows:
-            token_keys += keys.token_window(tier_name, w.suffix)
+            token_keys.append(keys.token_window(tier_name, w.suffix))
             args += (w.code, w.limit)
         try:
             if principal.kind == "guest":
@@ -203,12 +203,11 @@ class Admitter:
         now = time.time()
         used = []
         for w in windows:
-            hash_key, buckets = keys.token_window(tier_name, w.suffix)
             size, span = BUCKETS[w.period]
-            live = [bucket for bucket in await store.zrangebyscore(
-                buckets, int(now // size) - span, "+inf") if isinstance(bucket, bytes | str)]
-            counts = await store.hmget(hash_key, live) if live else []
-            used.append(sum(int(c) for c in counts if c is not None))
+            cutoff = int(now // size) - span
+            buckets = await store.hgetall(keys.token_window(tier_name, w.suffix))
+            used.append(sum(int(count) for bucket, count in buckets.items()
+                            if bucket.isdigit() and int(bucket) >= cutoff))
         return used
 
     def settle_tokens(self, principal: Principal, reserved: Reserved) -> None:

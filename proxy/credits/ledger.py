@@ -14,7 +14,7 @@ Per account A (keys share the hash tag `{A}`, so each script stays in one Cluste
     igw:{A}:ended     zset    hold and top-up ids done in the last two minutes (a retried settle
                               or top-up whose reply was lost changes nothing)
     igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)
-    igw:{A}:tk:<tier>:<scope>:<code>  hash + zset: a token window (credits.token_windows)
+    igw:{A}:tk:<tier>:<scope>:<code>  hash: a token window (credits.token_windows)
     igw:{A}:caps, capspent, capheld   budgets (credits.budgets) and the balance threshold
     igw:{A}:alerts, alerts_due, alerted, alerts_sent   alerts (credits.alerts, .webhooks)
 
@@ -95,11 +95,10 @@ class AccountKeys:
     def window(self, tier: str) -> str:
         return self.balance[:-3] + f"rl:{tier}"
 
-    def token_window(self, tier: str, suffix: str) -> tuple[str, str]:
-        """A token window's buckets (hash) and their index (zset): `suffix` is
-        `TokenWindow.suffix` (proxy.credits.token_windows)."""
-        base = self.balance[:-3] + f"tk:{tier}:{suffix}"
-        return base, base + ":b"
+    def token_window(self, tier: str, suffix: str) -> str:
+        """A token window's buckets (a hash): `suffix` is `TokenWindow.suffix`
+        (proxy.credits.token_windows)."""
+        return self.balance[:-3] + f"tk:{tier}:{suffix}"
 
     def reservation(self, request_id: str) -> str:
         """What a request reserved in the token windows, until its settlement."""
@@ -413,4 +412,4 @@ class Reserved:
     def keys(self, account: AccountKeys) -> list[str]:
         """The reservation, then each window's buckets hash (lua/token_settle.lua)."""
         return [account.reservation(self.request_id),
-                *(account.token_window(self.tier, s)[0] for s in self.suffixes)]
+                *(account.token_window(self.tier, s) for s in self.suffixes)]

@@ -214,7 +214,7 @@ async def test_an_expired_hold_stops_counting_against_its_budget(
         await asyncio.sleep(2.1)
         assert await ledger.sweep() == 1
         _, spent, held = await ledger.budgets("acct-sweep")
-        assert held == {} and spent == {}
+        assert set(held.values()) <= {"0"} and spent == {}, held
         await ledger.hold("acct-sweep", 450, ttl_s=60)  # room again
         assert await ledger.reconcile(["acct-sweep"]) == []
     finally:

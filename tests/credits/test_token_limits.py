@@ -67,7 +67,7 @@ async def basic_refusals(gw: Any) -> float:
 
 
 async def window(redis: Redis, account: str) -> dict[str, int]:
-    minute = await redis.hgetall(AccountKeys.of(account).token_window("basic", "*:tm")[0])
+    minute = await redis.hgetall(AccountKeys.of(account).token_window("basic", "*:tm"))
     return {k.decode(): int(v) for k, v in minute.items()}
 
 
@@ -218,34 +218,44 @@ async def test_the_anthropic_client_retries_through_a_token_limit(
 async def test_buckets_that_leave_the_window_take_their_tokens_along(
         clean_redis: RedisProcess) -> None:
     """The admission script on its own: a minute window holding 500 tokens from two minutes ago
-    (as a gateway long gone left it) and 50 from now; a new request of 80 against a limit of
-    100 fits once the old bucket is dropped, and the window's figures are what is left."""
+    (as a gateway long gone left it), 7 from 61 s ago (just past the window), 20 from 30 s ago
+    and 30 from now; a new request of 30 against a limit of 100 fits once the old buckets are
+    dropped, the window's figures are what is left, and the next one is refused with the
+    wait. And a window last trimmed long ago (more buckets behind than one read covers)."""
     from proxy.credits.ledger import Ledger
 
     redis = Redis.from_url(clean_redis.url)
     ledger = Ledger(redis)
     keys = AccountKeys.of("acct-trim")
-    minute, buckets = keys.token_window("basic", "*:tm")
+    minute = keys.token_window("basic", "*:tm")
     now = int((await redis.time())[0])
-    await redis.hset(minute, mapping={str(now - 120): 500, str(now): 50, "t": 550,
+    await redis.hset(minute, mapping={str(now - 120): 500, str(now - 61): 7,
+                                      str(now - 30): 20, str(now): 30, "t": 557,
                                       "o": str(now - 120)})
-    await redis.zadd(buckets, {str(now - 120): now - 120, str(now): now})
 
-    async def admit(tokens: int) -> list[int]:
+    async def admit(key: str, tokens: int) -> list[int]:
         answer = await ledger.admit_script(
-            keys=[keys.window("basic"), keys.reservation(f"r{tokens}"), minute, buckets],
+            keys=[keys.window("basic"), keys.reservation(f"r{tokens}"), key],
             args=[0, 60000, "", 0, 0, "", tokens, 0, "", "tm", 100])
-        return [int(v) for v in answer[:4]] + [int(answer[4][0]) if answer[4] else 0]
+        return [int(answer[0]), int(answer[4][0]) if answer[4] else 0, int(answer[5])]
 
     try:
-        status, _, _, _, left = await admit(30)
-        assert (status, left) == (1, 100 - 50 - 30)  # the old 500 are gone
-        assert await redis.zrange(buckets, 0, -1) == [str(now).encode()]
+        status, left, _ = await admit(minute, 30)
+        assert (status, left) == (1, 100 - 50 - 30)  # the old 507 are gone
         state = {k.decode(): int(v) for k, v in (await redis.hgetall(minute)).items()}
-        assert state["t"] == 80 and state["o"] == now and str(now - 120) not in state
-        status, *_ = await admit(30)
-        assert status == 4  # 80 + 30 > 100: refused, nothing counted
+        assert state["t"] == 80 and state["o"] == now - 60, state
+        assert set(state) == {str(now - 30), str(now), "t", "o", "r"}, state
+        status, _, wait_ms = await admit(minute, 30)
+        # 80 + 30 > 100: refused, nothing counted; the 30 reserved in flight may free room
+        # within a second (else the bucket from 30 s ago leaves in ~31 s).
+        assert (status, wait_ms) == (4, 1000)
         assert int(await redis.hget(minute, "t")) == 80
+        quiet = AccountKeys.of("acct-quiet").token_window("basic", "*:tm")
+        await redis.hset(quiet, mapping={str(now - 2000): 90, str(now - 5): 10, "t": 100,
+                                         "o": str(now - 2000)})
+        assert (await admit(quiet, 40))[:2] == [1, 100 - 10 - 40]
+        assert int(await redis.hget(quiet, "t")) == 50
+        assert not await redis.hexists(quiet, str(now - 2000))
     finally:
         await ledger.close()
         await redis.aclose()
@@ -300,7 +310,7 @@ async def test_group_and_output_limits_bind_each_in_its_own_unit(
         charged = await charges(redis, "acct-groups")
         prompt = sum(int(e["prompt_tokens"]) for e in charged)
         completion = sum(int(e["completion_tokens"]) for e in charged)
-        windows = {suffix: await hash_of(redis, keys.token_window("basic", suffix)[0])
+        windows = {suffix: await hash_of(redis, keys.token_window("basic", suffix))
                    for suffix in ("*:tm", "*:om", "large:im")}
         assert windows["*:om"]["t"] == completion == 32  # the engine's 16 each, not 200
         assert windows["large:im"]["t"] == prompt > 0

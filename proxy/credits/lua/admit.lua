@@ -9,10 +9,11 @@
 -- requests may use: a request reserves its worst case (an upper bound of its prompt, its
 -- completion cap) at admission, and its settlement (token_settle.lua) puts the engine's count
 -- in its place. Each window is a hash of buckets (1 s for a minute, 5 min for a day: bucket ->
--- tokens, 't' their total, 'o' the oldest, and in a minute window 'r', what requests in flight
--- still reserve: a hint for Retry-After) and a zset of its buckets, read only when buckets
--- leave the window. A window keeps one bucket more than it spans, so it never holds less than
--- the exact sliding window would (it may refuse a little early, never admit over the limit).
+-- tokens, 't' their total, 'o' the oldest bucket that may be left, and in a minute window 'r',
+-- what requests in flight still reserve: a hint for Retry-After), read in one HMGET with the
+-- buckets that usually leave it and written in one HSET. A window keeps one bucket more than
+-- it spans, so it never holds less than the exact sliding window would (it may refuse a
+-- little early, never admit over the limit).
 -- What this request reserved, and where, is kept under its own key until its settlement
 -- ('<code>:<tokens>:<bucket>' per window, comma-separated), so a settlement is applied once.
 --
@@ -33,7 +34,7 @@
 --   with a hold: balance hash, holds hash, hold expiry zset, budgets hash (caps), budgets spent
 --   hash, budget holds hash, alerts stream, alerts due zset, alerted hash (a cap's first
 --   refusal in a period is an alert: alerts.lua, prepended); then each token window's buckets
---   hash and buckets zset (the last 2 x windows keys)
+--   hash (the last keys, one a window)
 -- ARGV: limit (0: no limit), window ms, hold id ('' for none), amount, hold ttl s, this Redis
 --   process's run id (the connection's; '' to ask the server), prompt tokens to reserve,
 --   completion tokens to reserve, the key's id ('' for none), then each token window's code
@@ -65,12 +66,56 @@ if limit > 0 then
   end
 end
 
--- The token windows: {limit, bucket size s, buckets spanned, hash, zset, code, tokens}.
+-- The token windows: each a hash of buckets, 't' their total, 'o' the oldest bucket that may
+-- still be there (the ones before it are gone), 'r' (minute windows) what requests in flight
+-- reserve. A bucket leaves once it is `span` buckets old; its tokens leave the total with it.
 local prompt, completion = tonumber(ARGV[7]), tonumber(ARGV[8])
 local count_windows = (#ARGV - 9) / 2
-local first_key = #KEYS - 2 * count_windows
+local first_key = #KEYS - count_windows
 local windows, lefts = {}, {}
 local tokens_reset = 0
+
+-- Buckets of window `h` older than `cutoff` (the oldest that may be left is `oldest`, and
+-- `seen` has those just before the cutoff, read already): {bucket = tokens}.
+local function leaving(h, oldest, cutoff, seen)
+  local gone = {}
+  for i = 1, 3 do
+    local b = cutoff - i
+    if b >= oldest and seen[i] then gone[tostring(b)] = tonumber(seen[i]) end
+  end
+  if cutoff - oldest > 512 then  -- so many: look at what is there instead
+    local all = redis.call('HGETALL', h)
+    for i = 1, #all, 2 do
+      local b = tonumber(all[i])
+      if b and b < cutoff then gone[all[i]] = tonumber(all[i + 1]) end
+    end
+  elseif cutoff - oldest > 3 then  -- more left at once: a window quiet for a while
+    local older = {}
+    for b = oldest, cutoff - 4 do older[#older + 1] = tostring(b) end
+    local got = redis.call('HMGET', h, unpack(older))
+    for i, b in ipairs(older) do
+      if got[i] then gone[b] = tonumber(got[i]) end
+    end
+  end
+  return gone
+end
+
+-- When enough of window `h`'s tokens (`need`) will have left it, in ms from now.
+local function room_at(h, need, cutoff, size, span)
+  local live, all = {}, redis.call('HGETALL', h)
+  for i = 1, #all, 2 do
+    local b = tonumber(all[i])
+    if b and b >= cutoff then live[#live + 1] = {b, tonumber(all[i + 1])} end
+  end
+  table.sort(live, function(x, y) return x[1] < y[1] end)
+  local freed = 0
+  for _, bucket in ipairs(live) do
+    freed = freed + bucket[2]
+    if freed >= need then return (bucket[1] + span + 1) * size * 1000 - now_ms end
+  end
+  return 0
+end
+
 if prompt + completion > 0 then
   for i = 1, count_windows do
     local code, cap = ARGV[8 + 2 * i], tonumber(ARGV[9 + 2 * i])
@@ -79,21 +124,18 @@ if prompt + completion > 0 then
     if string.sub(code, 2, 2) == 'd' then size, span = 300, 288 end
     local tokens = prompt + completion
     if kind == 'i' then tokens = prompt elseif kind == 'o' then tokens = completion end
-    local h, z = KEYS[first_key + 2 * i - 1], KEYS[first_key + 2 * i]
+    local h = KEYS[first_key + i]
     local bucket = math.floor(now_s / size)
     local cutoff = bucket - span
-    -- total, oldest bucket, reserved, this bucket: read in one call, written in one (below)
-    local got = redis.call('HMGET', h, 't', 'o', 'r', bucket)
-    local total, oldest = tonumber(got[1] or '0'), got[2]
-    if oldest and tonumber(oldest) < cutoff then  -- buckets that left take their tokens along
-      for _, b in ipairs(redis.call('ZRANGEBYSCORE', z, '-inf', '(' .. cutoff)) do
-        total = total - tonumber(redis.call('HGET', h, b) or '0')
-        redis.call('HDEL', h, b)
-      end
-      redis.call('ZREMRANGEBYSCORE', z, '-inf', '(' .. cutoff)
-      redis.call('HSET', h, 't', total)
-      oldest = redis.call('ZRANGE', z, 0, 0)[1]
-      if oldest then redis.call('HSET', h, 'o', oldest) else redis.call('HDEL', h, 'o') end
+    -- One read: the total, the oldest, what is reserved, this bucket, and the three buckets
+    -- just past the window (what usually leaves it since the last request).
+    local got = redis.call('HMGET', h, 't', 'o', 'r', bucket, cutoff - 1, cutoff - 2,
+                           cutoff - 3)
+    local total, oldest = tonumber(got[1] or '0'), tonumber(got[2] or cutoff)
+    local gone = {}
+    if oldest < cutoff then
+      gone = leaving(h, oldest, cutoff, {got[5], got[6], got[7]})
+      for _, n in pairs(gone) do total = total - n end
     end
     if total + tokens > cap then
       local unspent = limit > 0 and (limit - count) or -1
@@ -101,42 +143,31 @@ if prompt + completion > 0 then
       if tokens > cap then return {4, unspent, 0, 0, lefts, -1, '', i} end
       -- When enough of the window's tokens have left it; sooner when what is reserved by
       -- requests in flight would make room once they settle (they usually use less).
-      local need, freed, at = total + tokens - cap, 0, 0
-      for _, b in ipairs(redis.call('ZRANGE', z, 0, -1)) do
-        freed = freed + tonumber(redis.call('HGET', h, b) or '0')
-        if freed >= need then
-          at = (tonumber(b) + span + 1) * size * 1000 - now_ms
-          break
-        end
-      end
+      local need = total + tokens - cap
+      local at = room_at(h, need, cutoff, size, span)
       if size == 1 and math.min(total, tonumber(got[3] or '0')) >= need then
         at = math.min(at, 1000)
       end
       return {4, unspent, 0, 0, lefts, math.max(at, 1), '', i}
     end
-    windows[i] = {cap, size, span, h, z, code, tokens, tostring(bucket), total, oldest,
-                  tonumber(got[3] or '0'), got[4]}
+    windows[i] = {h = h, size = size, span = span, code = code, tokens = tokens,
+                  bucket = tostring(bucket), total = total, reserved = tonumber(got[3] or '0'),
+                  current = got[4], gone = gone, moved = oldest ~= cutoff, cutoff = cutoff}
     lefts[i] = cap - total - tokens
   end
   local reserved = {}
   for i, w in ipairs(windows) do
-    local h, z, tokens, b = w[4], w[5], w[7], w[8]
-    if tokens > 0 then
-      local fields = {b, tonumber(w[12] or '0') + tokens, 't', w[9] + tokens}
-      if w[2] == 1 then  -- what is reserved: the Retry-After hint's
-        fields[5], fields[6] = 'r', w[11] + tokens
-      end
-      if not w[12] then  -- a new bucket
-        redis.call('ZADD', z, b, b)
-        if not w[10] then fields[#fields + 1], fields[#fields + 2] = 'o', b end
-        redis.call('HSET', h, unpack(fields))
-        redis.call('PEXPIRE', h, (w[3] + 1) * w[2] * 1000)  -- the window lives a span more
-        redis.call('PEXPIRE', z, (w[3] + 1) * w[2] * 1000)
-      else
-        redis.call('HSET', h, unpack(fields))
-      end
+    local gone = {}
+    for b in pairs(w.gone) do gone[#gone + 1] = b end
+    if #gone > 0 then redis.call('HDEL', w.h, unpack(gone)) end
+    local fields = {w.bucket, tonumber(w.current or '0') + w.tokens, 't', w.total + w.tokens}
+    if w.size == 1 then fields[5], fields[6] = 'r', w.reserved + w.tokens end
+    if w.moved then fields[#fields + 1], fields[#fields + 2] = 'o', w.cutoff end
+    redis.call('HSET', w.h, unpack(fields))
+    if not w.current then  -- a new bucket: the window lives a span more
+      redis.call('PEXPIRE', w.h, (w.span + 1) * w.size * 1000)
     end
-    reserved[i] = w[6] .. ':' .. tokens .. ':' .. b
+    reserved[i] = w.code .. ':' .. w.tokens .. ':' .. w.bucket
   end
   if #reserved > 0 then
     redis.call('SET', KEYS[2], table.concat(reserved, ','), 'EX', 86700)
@@ -156,10 +187,9 @@ local amount = tonumber(ARGV[4])
 local function unreserve()  -- it will not run: its tokens were never used
   if #windows == 0 then return end
   for _, w in ipairs(windows) do
-    local h, tokens, b = w[4], w[7], w[8]
-    redis.call('HINCRBY', h, b, -tokens)
-    redis.call('HINCRBY', h, 't', -tokens)
-    if w[2] == 1 then redis.call('HINCRBY', h, 'r', -tokens) end
+    redis.call('HINCRBY', w.h, w.bucket, -w.tokens)
+    redis.call('HINCRBY', w.h, 't', -w.tokens)
+    if w.size == 1 then redis.call('HINCRBY', w.h, 'r', -w.tokens) end
   end
   redis.call('DEL', KEYS[2])
 end

@@ -31,7 +31,7 @@
 -- a string with sprintf on every call, a measurable share of this script's cost.
 local now = redis.call('TIME')
 if ARGV[10] ~= '' and #KEYS >= 12 then  -- its tokens, once, whatever became of its hold
-  settle_tokens(KEYS[12], 13, tonumber(ARGV[10]), tonumber(ARGV[11]))
+  settle_tokens(KEYS[12], 13, tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(now[1]))
 end
 local cost = tonumber(ARGV[2])
 local charge, held = 0, '0'
@@ -62,8 +62,14 @@ if ARGV[1] ~= '' then
           below = tonumber(cap)
         else
           local spent = redis.call('HINCRBY', KEYS[7], field, charge)
-          local name, index = string.match(field, '^(.*):(%d+)$')
-          redis.call('HDEL', KEYS[7], name .. ':' .. (tonumber(index) - 2))  -- long over
+          if spent == charge then  -- the period's first charge: forget periods long over
+            local name, index = string.match(field, '^(.*):(%d+)$')
+            local over = name .. ':' .. (tonumber(index) - 2)
+            redis.call('HDEL', KEYS[7], over)
+            redis.set_repl(redis.REPL_NONE)
+            redis.call('HDEL', KEYS[8], over)
+            redis.set_repl(redis.REPL_ALL)
+          end
           alert_budget(KEYS[9], KEYS[10], KEYS[11], field, tonumber(cap), spent, charge, 0,
                        false)
         end

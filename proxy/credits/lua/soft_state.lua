@@ -41,8 +41,8 @@ local function release_budgets(capheld, hold_id, held)
   if not marks then return nil end
   redis.call('HDEL', capheld, 'h:' .. hold_id)
   for field in string.gmatch(marks, '([^,=]+)=%d+') do
-    if field ~= 'below' and redis.call('HINCRBY', capheld, field, -tonumber(held)) <= 0 then
-      redis.call('HDEL', capheld, field)
+    if field ~= 'below' then  -- left at 0 when the last ends (settle.lua drops old periods')
+      redis.call('HINCRBY', capheld, field, -tonumber(held))
     end
   end
   return marks

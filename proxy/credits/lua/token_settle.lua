@@ -3,12 +3,12 @@
 -- taken with GETDEL). A bucket that already left its window took the reservation with it.
 -- Soft state, like the windows. (Prepended to settle.lua and tokens.lua.)
 -- `hashes`: the index in KEYS of the first window's buckets hash; the others follow, in the
--- order the request reserved in them (the reservation names each by its code).
-local function settle_tokens(reservation, hashes, prompt, completion)
+-- order the request reserved in them (the reservation names each by its code). `now_s`:
+-- Redis' clock (the caller read it).
+local function settle_tokens(reservation, hashes, prompt, completion, now_s)
   redis.set_repl(redis.REPL_NONE)
   local held = redis.call('GETDEL', reservation)
   if held then
-    local now_s = tonumber(redis.call('TIME')[1])
     local i = hashes
     for code, reserved, b in string.gmatch(held, '(%a%a):(%d+):(%d+)') do
       local h = KEYS[i]

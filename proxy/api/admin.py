@@ -223,7 +223,7 @@ class AlertBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class WebhookBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s/?#]+([/?#]\S*)?$",
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\x00-\x20\x7f/?#]+([/?#][^\x00-\x20\x7f]*)?$",
                                      max_length=2048,
                                      description="Where alerts are POSTed")]
     account: Annotated[str, msgspec.Meta(

@@ -119,6 +119,8 @@ class Sender:
             except (RedisError, TimeoutError) as exc:
                 log.warning("an alert delivery round stopped (%s); the next one resumes it",
                             type(exc).__name__)
+            except Exception:  # our bug: logged, and the sender lives on
+                log.exception("an alert delivery round failed; the next one resumes it")
 
     async def close(self) -> None:
         await self.lease.release()
@@ -190,5 +192,5 @@ class Sender:
                     return 200 <= response.status < 300, f"HTTP {response.status}"
             except TimeoutError:
                 return False, "timeout"
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, ValueError, OSError) as exc:  # ValueError: a bad URL
                 return False, type(exc).__name__

@@ -20,9 +20,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from proxy.config import AlertsSection
 from proxy.credits.alerts import Attempts, event, sign, verify
 from proxy.credits.ledger import AccountKeys, InsufficientCredits, Ledger, as_fields
-from proxy.credits.webhooks import Webhooks
+from proxy.credits.webhooks import Sender, Webhooks
 from proxy.store.client import connect_redis
 from tests.support.accounts import new_key
 from tests.support.config_files import GENEROUS_TIERS, MODEL
@@ -291,3 +292,28 @@ async def test_the_admin_api_registers_endpoints_thresholds_and_lists_alerts(
     assert status == 200 and removed["id"] == made["id"]
     assert (await call("DELETE", f"/admin/webhooks/{made['id']}"))[0] == 404
     assert (await call("GET", "/admin/webhooks"))[2]["data"] == []
+
+
+async def test_an_endpoint_url_the_client_cannot_use_fails_its_deliveries_only(
+        clean_redis: RedisProcess) -> None:
+    """A URL the admin API accepts but no HTTP client can send to (a control character in its
+    host) makes its deliveries fail, recorded as such; the sender carries on."""
+    redis = connect_redis(clean_redis.url)
+    ledger = Ledger(redis)
+    try:
+        await ledger.credit("acct-bad", 10_000, {"reason": "test"})
+        await ledger.set_budget("acct-bad", "day", 1)
+        with pytest.raises(InsufficientCredits):
+            await ledger.hold("acct-bad", 100, 60)  # refused: the 100 % alert
+        bad = await Webhooks(redis).add("https://\x82\x1f.example/hook", "acct-bad")
+        sender = Sender(redis, AlertsSection(retry_s=(0.01,)))
+        try:
+            assert await sender.round() == 1
+            [alert] = await Webhooks(redis).alerts("acct-bad")
+            assert alert.deliveries[bad.id].state == "pending"
+            assert alert.deliveries[bad.id].last == "InvalidUrlClientError", alert
+        finally:
+            await sender.close()
+    finally:
+        await ledger.close()
+        await redis.aclose()

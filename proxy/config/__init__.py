@@ -58,6 +58,8 @@ from proxy.config.policies import (
     TierPolicy,
     TiersPolicy,
     TokenLimits,
+    TokensPerDay,
+    TokensPerMinute,
     TtsRequestPolicy,
 )
 from proxy.config.vocabulary import (
@@ -121,6 +123,8 @@ __all__ = [
     "TierPolicy",
     "TiersPolicy",
     "TokenLimits",
+    "TokensPerDay",
+    "TokensPerMinute",
     "TtsRequestPolicy",
     "UpstreamSection",
     "Weight",

@@ -94,8 +94,9 @@ class _Cluster(RedisCluster):
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         command = super().execute_command
         try:
-            if self._initialize:  # mapped once, under its lock, before any command runs:
-                await self.initialize()  # a burst of first commands would each remap it
+            # Mapped once, under its lock, before any command runs (a no-op once mapped): a
+            # burst of first commands would each remap it.
+            await self.initialize()
             return await _waiting(lambda: command(*args, **kwargs))
         except RedisClusterException as exc:
             raise RedisConnectionError("no Redis Cluster node reachable") from exc

@@ -220,3 +220,24 @@ async def test_an_expired_hold_stops_counting_against_its_budget(
     finally:
         await ledger.close()
         await redis.aclose()
+
+
+async def test_a_free_request_under_a_budget_settles(clean_redis: RedisProcess) -> None:
+    """A hold of nothing (a model priced at 0) counted against a budget: ending it gives the
+    budget back 0, which Lua writes as "-0" unless told otherwise, and Redis refuses "-0" as
+    an integer: the settlement failed on every retry, then the sweep (seen in a schemathesis
+    run)."""
+    redis = Redis.from_url(clean_redis.url)
+    ledger = Ledger(redis)
+    try:
+        await ledger.credit("acct-free", 1000, {})
+        await ledger.set_budget("acct-free", "month", 500)
+        hold = await ledger.hold("acct-free", 0, ttl_s=60)
+        assert await ledger.settle("acct-free", hold, 0, {}) == 0
+        await ledger.hold("acct-free", 0, ttl_s=1)
+        await asyncio.sleep(2.1)
+        assert await ledger.sweep() == 1
+        assert await ledger.reconcile(["acct-free"]) == []
+    finally:
+        await ledger.close()
+        await redis.aclose()

@@ -187,9 +187,9 @@ local amount = tonumber(ARGV[4])
 local function unreserve()  -- it will not run: its tokens were never used
   if #windows == 0 then return end
   for _, w in ipairs(windows) do
-    redis.call('HINCRBY', w.h, w.bucket, -w.tokens)
-    redis.call('HINCRBY', w.h, 't', -w.tokens)
-    if w.size == 1 then redis.call('HINCRBY', w.h, 'r', -w.tokens) end
+    redis.call('HINCRBY', w.h, w.bucket, 0 - w.tokens)  -- never -0: not an integer to Redis
+    redis.call('HINCRBY', w.h, 't', 0 - w.tokens)
+    if w.size == 1 then redis.call('HINCRBY', w.h, 'r', 0 - w.tokens) end
   end
   redis.call('DEL', KEYS[2])
 end

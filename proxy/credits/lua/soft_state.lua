@@ -42,7 +42,7 @@ local function release_budgets(capheld, hold_id, held)
   redis.call('HDEL', capheld, 'h:' .. hold_id)
   for field in string.gmatch(marks, '([^,=]+)=%d+') do
     if field ~= 'below' then  -- left at 0 when the last ends (settle.lua drops old periods')
-      redis.call('HINCRBY', capheld, field, -tonumber(held))
+      redis.call('HINCRBY', capheld, field, 0 - tonumber(held))  -- never -0 (not an integer)
     end
   end
   return marks

@@ -291,15 +291,13 @@ async def list_webhooks(request: web.Request) -> web.Response:
 
 async def remove_webhook(request: web.Request) -> web.Response:
     await require_admin(request)
-    webhooks = Webhooks(request.app[REDIS])
-    endpoint_id = request.match_info["endpoint_id"]
     try:
-        found = [e for e in await webhooks.endpoints() if e.id == endpoint_id]
-        if not found or not await webhooks.remove(endpoint_id):
-            raise GatewayError(ErrorKind.NOT_FOUND, "no such webhook endpoint")
+        removed = await Webhooks(request.app[REDIS]).remove(request.match_info["endpoint_id"])
     except RedisError:
         raise store_unavailable("credit store") from None
-    return _json(_endpoint(found[0]))
+    if removed is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, "no such webhook endpoint")
+    return _json(_endpoint(removed))
 
 
 def _account_id(request: web.Request) -> str:

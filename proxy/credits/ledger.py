@@ -72,7 +72,7 @@ def lua_script(name: str) -> str:
         source = (folder / "periods.lua").read_text() + "\n" + source
     if name in ("admit", "settle"):
         source = (folder / "alerts.lua").read_text() + "\n" + source
-    if name in ("settle", "tokens"):
+    if name in ("admit", "settle", "tokens"):
         source = (folder / "token_settle.lua").read_text() + "\n" + source
     return source
 

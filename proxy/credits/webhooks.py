@@ -72,8 +72,12 @@ class Webhooks:
         await self.redis.hset(ENDPOINTS, endpoint.id, endpoint.to_json())
         return endpoint
 
-    async def remove(self, endpoint_id: str) -> bool:
-        return bool(await self.redis.hdel(ENDPOINTS, endpoint_id))
+    async def remove(self, endpoint_id: str) -> Endpoint | None:
+        """Stop sending to an endpoint; the one removed (None: there was none)."""
+        raw = await self.redis.hget(ENDPOINTS, endpoint_id)
+        if raw is None or not await self.redis.hdel(ENDPOINTS, endpoint_id):
+            return None
+        return Endpoint.from_json(endpoint_id, raw)
 
     async def endpoints(self) -> list[Endpoint]:
         raw = await self.redis.hgetall(ENDPOINTS)

@@ -7,8 +7,8 @@
 -- The token limits (proxy.credits.token_windows: the tier's and the model group's, each of
 -- prompt + completion tokens or of input or output alone, over a minute or a day) count what
 -- requests may use: a request reserves its worst case (an upper bound of its prompt, its
--- completion cap) at admission, and its settlement (token_settle.lua) puts the engine's count
--- in its place. Each window is a hash of buckets (1 s for a minute, 5 min for a day: bucket ->
+-- completion cap) at admission, and its settlement (token_settle.lua, prepended: the windows'
+-- shapes are its `window_shape`) puts the engine's count in its place. Each window is a hash of buckets (1 s for a minute, 5 min for a day: bucket ->
 -- tokens, 't' their total, 'o' the oldest bucket that may be left, and in a minute window 'r',
 -- what requests in flight still reserve: a hint for Retry-After), read in one HMGET with the
 -- buckets that usually leave it and written in one HSET. A window keeps one bucket more than
@@ -73,31 +73,32 @@ local prompt, completion = tonumber(ARGV[7]), tonumber(ARGV[8])
 local count_windows = (#ARGV - 9) / 2
 local first_key = #KEYS - count_windows
 local windows, lefts = {}, {}
-local tokens_reset = 0
 
--- Buckets of window `h` older than `cutoff` (the oldest that may be left is `oldest`, and
--- `seen` has those just before the cutoff, read already): {bucket = tokens}.
+-- The buckets of window `h` older than `cutoff` (the oldest that may be left is `oldest`, and
+-- `seen` has the three just before the cutoff, read already), and their tokens.
 local function leaving(h, oldest, cutoff, seen)
-  local gone = {}
+  local gone, tokens = {}, 0
+  local function add(b, n)
+    gone[#gone + 1], tokens = b, tokens + tonumber(n)
+  end
   for i = 1, 3 do
-    local b = cutoff - i
-    if b >= oldest and seen[i] then gone[tostring(b)] = tonumber(seen[i]) end
+    if cutoff - i >= oldest and seen[i] then add(tostring(cutoff - i), seen[i]) end
   end
   if cutoff - oldest > 512 then  -- so many: look at what is there instead
     local all = redis.call('HGETALL', h)
     for i = 1, #all, 2 do
       local b = tonumber(all[i])
-      if b and b < cutoff then gone[all[i]] = tonumber(all[i + 1]) end
+      if b and b < cutoff - 3 then add(all[i], all[i + 1]) end
     end
   elseif cutoff - oldest > 3 then  -- more left at once: a window quiet for a while
     local older = {}
     for b = oldest, cutoff - 4 do older[#older + 1] = tostring(b) end
     local got = redis.call('HMGET', h, unpack(older))
     for i, b in ipairs(older) do
-      if got[i] then gone[b] = tonumber(got[i]) end
+      if got[i] then add(b, got[i]) end
     end
   end
-  return gone
+  return gone, tokens
 end
 
 -- When enough of window `h`'s tokens (`need`) will have left it, in ms from now.
@@ -119,11 +120,7 @@ end
 if prompt + completion > 0 then
   for i = 1, count_windows do
     local code, cap = ARGV[8 + 2 * i], tonumber(ARGV[9 + 2 * i])
-    local kind = string.sub(code, 1, 1)
-    local size, span = 1, 60
-    if string.sub(code, 2, 2) == 'd' then size, span = 300, 288 end
-    local tokens = prompt + completion
-    if kind == 'i' then tokens = prompt elseif kind == 'o' then tokens = completion end
+    local size, span, tokens = window_shape(code, prompt, completion)
     local h = KEYS[first_key + i]
     local bucket = math.floor(now_s / size)
     local cutoff = bucket - span
@@ -132,10 +129,10 @@ if prompt + completion > 0 then
     local got = redis.call('HMGET', h, 't', 'o', 'r', bucket, cutoff - 1, cutoff - 2,
                            cutoff - 3)
     local total, oldest = tonumber(got[1] or '0'), tonumber(got[2] or cutoff)
-    local gone = {}
+    local gone, left_window = {}, 0
     if oldest < cutoff then
-      gone = leaving(h, oldest, cutoff, {got[5], got[6], got[7]})
-      for _, n in pairs(gone) do total = total - n end
+      gone, left_window = leaving(h, oldest, cutoff, {got[5], got[6], got[7]})
+      total = total - left_window
     end
     if total + tokens > cap then
       local unspent = limit > 0 and (limit - count) or -1
@@ -157,9 +154,7 @@ if prompt + completion > 0 then
   end
   local reserved = {}
   for i, w in ipairs(windows) do
-    local gone = {}
-    for b in pairs(w.gone) do gone[#gone + 1] = b end
-    if #gone > 0 then redis.call('HDEL', w.h, unpack(gone)) end
+    if #w.gone > 0 then redis.call('HDEL', w.h, unpack(w.gone)) end
     local fields = {w.bucket, tonumber(w.current or '0') + w.tokens, 't', w.total + w.tokens}
     if w.size == 1 then fields[5], fields[6] = 'r', w.reserved + w.tokens end
     if w.moved then fields[#fields + 1], fields[#fields + 2] = 'o', w.cutoff end
@@ -182,7 +177,7 @@ if limit > 0 then
   remaining = limit - count - 1
   reset = tonumber(oldest[2]) + tonumber(ARGV[2]) - now_ms
 end
-if ARGV[3] == '' then return {1, remaining, reset, 0, lefts, tokens_reset, '', 0} end
+if ARGV[3] == '' then return {1, remaining, reset, 0, lefts, 0, '', 0} end
 local amount = tonumber(ARGV[4])
 local function unreserve()  -- it will not run: its tokens were never used
   if #windows == 0 then return end
@@ -211,7 +206,7 @@ for i, name in ipairs(names) do
       unreserve()
       alert_budget(KEYS[9], KEYS[10], KEYS[11], field, tonumber(cap), spent, 0, used - spent,
                    true)
-      return {5, remaining, reset, tonumber(cap) - used, lefts, tokens_reset, name, 0}
+      return {5, remaining, reset, tonumber(cap) - used, lefts, 0, name, 0}
     end
     budgets[#budgets + 1] = field
     marks[#marks + 1] = field .. '=' .. cap
@@ -223,18 +218,18 @@ if caps[2] then marks[#marks + 1] = 'below=' .. caps[2] end
 -- both are given back in the rare refusal (no one sees the difference: the script is atomic).
 -- Figures go as the strings they came in where they can (Lua formats a number with sprintf).
 if redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4]) == 0 then
-  return {3, remaining, reset, 0, lefts, tokens_reset, '', 0}
+  return {3, remaining, reset, 0, lefts, 0, '', 0}
 end
 local left = redis.call('HINCRBY', KEYS[3], 'available', 0 - amount)  -- never -0
 if left < 0 and caps[1] ~= '1' then
   redis.call('HINCRBY', KEYS[3], 'available', ARGV[4])
   redis.call('HDEL', KEYS[4], ARGV[3])
   unreserve()
-  return {2, remaining, reset, left + amount, lefts, tokens_reset, '', 0}
+  return {2, remaining, reset, left + amount, lefts, 0, '', 0}
 end
 redis.call('HINCRBY', KEYS[3], 'held', ARGV[4])
 redis.call('ZADD', KEYS[5], tonumber(now[1]) + tonumber(ARGV[5]), ARGV[3])
 if holds ~= 'kept' then redis.call('HSET', KEYS[4], '@run', run) end  -- the first hold here
 for _, field in ipairs(budgets) do redis.call('HINCRBY', KEYS[8], field, ARGV[4]) end
 if #marks > 0 then redis.call('HSET', KEYS[8], 'h:' .. ARGV[3], table.concat(marks, ',')) end
-return {1, remaining, reset, left, lefts, tokens_reset, '', 0}
+return {1, remaining, reset, left, lefts, 0, '', 0}

@@ -1,7 +1,20 @@
+-- Token windows (proxy.credits.token_windows), as admit.lua reserves in them and settlement
+-- corrects them. (Prepended to admit.lua, settle.lua and tokens.lua.)
+
+-- A window's shape from its code (kind t, i or o, then period m or d): its bucket seconds, the
+-- buckets it spans, and its share of a request's `prompt` and `completion` tokens.
+local function window_shape(code, prompt, completion)
+  local kind, size, span = string.sub(code, 1, 1), 1, 60
+  if string.sub(code, 2, 2) == 'd' then size, span = 300, 288 end
+  if kind == 'i' then return size, span, prompt end
+  if kind == 'o' then return size, span, completion end
+  return size, span, prompt + completion
+end
+
 -- A settled request's tokens: what the engine counted takes the place of what admission
 -- reserved (admit.lua), in the buckets it was reserved in, once (the reservation's own key is
 -- taken with GETDEL). A bucket that already left its window took the reservation with it.
--- Soft state, like the windows. (Prepended to settle.lua and tokens.lua.)
+-- Soft state, like the windows.
 -- `hashes`: the index in KEYS of the first window's buckets hash; the others follow, in the
 -- order the request reserved in them (the reservation names each by its code). `now_s`:
 -- Redis' clock (the caller read it).
@@ -13,10 +26,7 @@ local function settle_tokens(reservation, hashes, prompt, completion, now_s)
     for code, reserved, b in string.gmatch(held, '(%a%a):(%d+):(%d+)') do
       local h = KEYS[i]
       i = i + 1
-      local kind, size, span = string.sub(code, 1, 1), 1, 60
-      if string.sub(code, 2, 2) == 'd' then size, span = 300, 288 end
-      local used = prompt + completion
-      if kind == 'i' then used = prompt elseif kind == 'o' then used = completion end
+      local size, span, used = window_shape(code, prompt, completion)
       reserved = tonumber(reserved)
       if h and reserved > 0 and tonumber(b) >= math.floor(now_s / size) - span then
         local got = redis.call('HMGET', h, b, 't', 'r')  -- read in one call, written in one

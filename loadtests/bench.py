@@ -194,12 +194,15 @@ def choose_mock(args: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
-                  root: Path = ROOT, *, limits: str | None = None) -> Setup:
+                  root: Path = ROOT, *, limits: str | None = None,
+                  tracing: float | None = None) -> Setup:
     """Start what was not given; each start registers its stop on `stack` before anything else
     can fail, so errors and Ctrl-C never leave a server running. `root`: the checkout whose
     `proxy` the started servers run (loadtests.paired starts a base one beside this one);
     `limits`: "tokens" (its tier with token limits), "budgets" (its accounts with budgets) or
-    "both", never binding."""
+    "both", never binding; `tracing`: traces on at that sample ratio, exported to the upstream
+    mock (nginx answers OTLP's /v1/traces; the simulator refuses it: the export's work is done
+    all the same)."""
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gateway-bench-")))
     starting = not args.gateway_url
     pinning = plan_pinning() if starting else None
@@ -260,7 +263,9 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
             Backend("bench", args.kind, upstream, args.model),
             Backend("slow", "vllm", slow_upstream, SLOW_MODEL),
         ], ledger_fsync=args.ledger_fsync, access_log=args.access_log,
-            limits=limits in ("tokens", "both"))
+            limits=limits in ("tokens", "both"),
+            traces_to=f"{upstream}/v1/traces" if tracing is not None else None,
+            sample_ratio=tracing if tracing is not None else 1.0)
         gw = start("gateway", gateway_args(config, port))
         wait_ready(f"{gateway}/readyz", server=gw)
         setup.worker_pid = gateway_worker_pid(gw.pid)

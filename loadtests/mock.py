@@ -186,6 +186,11 @@ http {{
 
 {_chat_locations("", "fast", model)}
 {_chat_locations(SLOW_PREFIX, "slow", slow_model, trickle)}
+        # An OTLP/HTTP sink for the gateway's traces (loadtests.paired --tracing).
+        location = /v1/traces {{
+            default_type application/x-protobuf;
+            return 200 "";
+        }}
     }}
 }}
 """

@@ -2,7 +2,7 @@
 
     python -m loadtests.paired BASE [--rounds 10] [--slice 2] [--rate 1000] [--keys 200]
                                     [--mock auto|nginx|simulator] [--limits [tokens|budgets]]
-                                    [--json PATH]
+                                    [--tracing RATIO] [--json PATH]
 
 Whole runs of `loadtests.bench` wander at the median on a shared 2-core machine (~0.05 ms, more
 on a busy day), as much as most changes move it. Here both gateways run at once, each as the
@@ -16,7 +16,9 @@ BASE is a git ref, checked out into a temporary worktree that is removed afterwa
 folder of another checkout. `--limits` gives this checkout's gateway token limits on its tier
 and a budget on each account (never binding, so their whole path runs), not the base's: with
 BASE = HEAD, what turning them on costs. The keys are made by this checkout's code, so the
-base must share its key and ledger formats.
+base must share its key and ledger formats. `--tracing RATIO` turns this gateway's traces on
+([telemetry], sampling RATIO of requests, exported to the upstream mock's OTLP sink): with
+BASE = HEAD, what tracing costs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from loadtests import bench, loadgen
+from loadtests import bench, loadgen, procs
 from loadtests.servers import ROOT, ServerFailed
 
 TARGETS = ("direct", "base", "this")
@@ -57,6 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the upstream mock (default: nginx when installed)")
     p.add_argument("--limits", nargs="?", const="both", choices=("tokens", "budgets", "both"),
                    help="this gateway only: token limits and/or budgets on (never binding)")
+    p.add_argument("--tracing", type=float, metavar="RATIO",
+                   help="this gateway only: traces on, sampling RATIO (0-1) of requests")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if min(args.rounds, args.keys) < 1 or args.slice <= 0 or args.rate <= 0:
@@ -86,9 +90,12 @@ def checkout(base: str) -> Iterator[Path]:
 
 
 async def measure(args: argparse.Namespace, targets: dict[str, loadgen.Target], body: bytes,
-                  warmup_s: float) -> dict[str, list[loadgen.Tally]]:
-    """`args.rounds` open-loop slices per target, the order reversed every other round."""
+                  warmup_s: float, workers: dict[str, int]
+                  ) -> tuple[dict[str, list[loadgen.Tally]], dict[str, list[float]]]:
+    """`args.rounds` open-loop slices per target, the order reversed every other round; and
+    per gateway the CPU seconds its worker spent in each slice (its threads included)."""
     slices: dict[str, list[loadgen.Tally]] = {name: [] for name in targets}
+    cpu: dict[str, list[float]] = {name: [] for name in workers}
     async with contextlib.AsyncExitStack() as stack:
         sessions = {name: await stack.enter_async_context(loadgen.new_session(1024))
                     for name in targets}
@@ -102,13 +109,19 @@ async def measure(args: argparse.Namespace, targets: dict[str, loadgen.Target], 
         for i in range(args.rounds):
             for name in TARGETS if i % 2 == 0 else reversed(TARGETS):
                 tally = loadgen.Tally()
+                pid = workers.get(name)
+                before = procs.cpu_seconds([pid]) if pid else 0.0
                 await one(name, args.slice, tally)
+                if pid:
+                    cpu[name].append(procs.cpu_seconds([pid]) - before)
                 slices[name].append(tally)
-    return slices
+    return slices, cpu
 
 
-def figures(slices: dict[str, list[loadgen.Tally]]) -> dict[str, Any]:
-    """Per target the median of its slices' p50 and p99; per round this - base."""
+def figures(slices: dict[str, list[loadgen.Tally]], cpu: dict[str, list[float]] | None = None
+            ) -> dict[str, Any]:
+    """Per target the median of its slices' p50 and p99; per round this - base; per gateway its
+    worker's CPU per request (the inverse of what its core could serve), and this / base."""
     def pct(tally: loadgen.Tally, q: float) -> float:
         return loadgen.percentile(tally.latencies_s, q) * 1000 if tally.latencies_s else math.nan
 
@@ -120,11 +133,18 @@ def figures(slices: dict[str, list[loadgen.Tally]]) -> dict[str, Any]:
             "requests": sum(len(t.latencies_s) for t in tallies),
             "errors": sum(sum(t.errors.values()) for t in tallies),
         }
+        if cpu and cpu.get(name):
+            out["targets"][name]["cpu_ms_per_request"] = statistics.median(
+                seconds * 1000 / max(1, len(t.latencies_s))
+                for seconds, t in zip(cpu[name], tallies, strict=True))
     for q in (50, 99):
         diffs = [pct(this, q) - pct(base, q)
                  for this, base in zip(slices["this"], slices["base"], strict=True)]
         out["this_minus_base"][f"p{q}_ms"] = {
             "median": statistics.median(diffs), "min": min(diffs), "max": max(diffs)}
+    this, base = (out["targets"][n].get("cpu_ms_per_request") for n in ("this", "base"))
+    if this and base:
+        out["this_over_base_cpu"] = this / base  # 1.03: 3 % less throughput per core
     return out
 
 
@@ -134,13 +154,19 @@ def render(args: argparse.Namespace, found: dict[str, Any]) -> str:
              f"{'target':8}  {'p50 ms':>8}  {'p99 ms':>8}  {'requests':>9}  {'errors':>6}"]
     for name in TARGETS:
         row = found["targets"][name]
+        cpu_text = (f"  {row['cpu_ms_per_request']:.3f} ms CPU/request"
+                    if "cpu_ms_per_request" in row else "")
         lines.append(f"{name:8}  {row['p50_ms']:8.3f}  {row['p99_ms']:8.3f}  "
-                     f"{row['requests']:9,}  {row['errors']:6}")
+                     f"{row['requests']:9,}  {row['errors']:6}{cpu_text}")
     lines.append("")
     for q in ("p50", "p99"):
         d = found["this_minus_base"][f"{q}_ms"]
         lines.append(f"this - base, {q}: {d['median']:+.3f} ms (median of the rounds; "
                      f"{d['min']:+.3f} to {d['max']:+.3f})")
+    if "this_over_base_cpu" in found:
+        ratio = found["this_over_base_cpu"]
+        lines.append(f"this / base, worker CPU per request: {ratio:.3f} (throughput per core "
+                     f"{(1 / ratio - 1) * 100:+.1f} %)")
     return "\n".join(lines)
 
 
@@ -155,14 +181,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with checkout(args.base) as base_root, contextlib.ExitStack() as stack:
             targets: dict[str, loadgen.Target] = {}
+            workers: dict[str, int] = {}
             for name, root in (("base", base_root), ("this", ROOT)):
                 if cores is not None:  # each start pins this driver to the load core
                     os.sched_setaffinity(0, cores)
                 setup = bench.start_servers(bench_args, stack, root=root,
-                                            limits=args.limits if name == "this" else None)
+                                            limits=args.limits if name == "this" else None,
+                                            tracing=args.tracing if name == "this" else None)
                 targets.setdefault("direct", setup.targets[0])
                 targets[name] = setup.targets[1]
-            found = figures(bench.run_async(measure(args, targets, body, bench_args.warmup)))
+                if setup.worker_pid:
+                    workers[name] = setup.worker_pid
+            found = figures(*bench.run_async(measure(args, targets, body, bench_args.warmup,
+                                                     workers)))
     except KeyboardInterrupt:
         print("paired: interrupted; the servers it started are stopped", file=sys.stderr)
         return 130

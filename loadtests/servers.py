@@ -185,10 +185,12 @@ class Backend:
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
                          ledger_fsync: str = "always", access_log: str = "stderr",
                          routing: Mapping[str, str | float] | None = None,
-                         limits: bool = False) -> Path:
+                         limits: bool = False, traces_to: str | None = None,
+                         sample_ratio: float = 1.0) -> Path:
     """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic
     strings, which quotes paths and URLs safely); `routing`: its [routing] section, if any;
-    `limits`: the bench tier has token limits too (never binding: their whole path runs)."""
+    `limits`: the bench tier has token limits too (never binding: their whole path runs);
+    `traces_to`: tracing on ([telemetry]), exporting there, keeping `sample_ratio` of them."""
     q = json.dumps
     folder.mkdir(parents=True, exist_ok=True)
     text = ("[gateway]\n"
@@ -200,6 +202,8 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
             "[health]\ntimeout_s = 10\n")
     if routing:
         text += "\n[routing]\n" + "".join(f"{k} = {q(v)}\n" for k, v in routing.items())
+    if traces_to:
+        text += f"\n[telemetry]\nendpoint = {q(traces_to)}\nsample_ratio = {sample_ratio}\n"
     for b in backends:
         text += ("\n[[backends]]\n"
                  f"name = {q(b.name)}\nkind = {q(b.kind)}\nurl = {q(b.url)}\n"

@@ -48,6 +48,7 @@ from proxy.appkeys import (
     ROUTER,
     SETTLER,
     TASKS,
+    TRACING,
     UPSTREAMS,
 )
 from proxy.blobs import open_blobs
@@ -243,11 +244,16 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
 
 
 async def _observe_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The access log's writer and the metrics' flusher: first up, last down, so requests
-    answered while the rest shuts down are still logged and counted."""
+    """The access log's writer, the metrics' flusher and the trace exporter: first up, last
+    down, so requests answered while the rest shuts down are still logged, counted and traced."""
     config = app[CONFIG]
     app[ACCESS_LOG] = AccessLog(config.gateway.access_log, config.root, app[METRICS])
     app[ACCESS_LOG].start()
+    app[TRACING] = None
+    if config.telemetry is not None:
+        from proxy.observe.tracing import Tracing  # the SDK only when tracing is on
+
+        app[TRACING] = Tracing(config.telemetry)
     flusher = asyncio.create_task(flush_metrics(app[METRICS]))
     try:
         yield
@@ -255,6 +261,9 @@ async def _observe_ctx(app: web.Application) -> AsyncIterator[None]:
         await stop_task(flusher)
         app[METRICS].flush()
         app[ACCESS_LOG].stop()
+        tracing = app[TRACING]
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)  # what is queued is sent
 
 
 def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -4,6 +4,7 @@ and for the values one request carries from step to step."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -27,6 +28,9 @@ from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher
 from proxy.upstream.router import Router
 
+if TYPE_CHECKING:  # imported only when [telemetry] turns tracing on (the SDK is heavy)
+    from proxy.observe.tracing import Tracing
+
 CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
@@ -49,6 +53,7 @@ TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue
 MEDIA = web.AppKey("media", MediaStore)  # their audio, images and video (never in the ledger)
 METRICS = web.AppKey("metrics", Metrics)  # this process's Prometheus metrics
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
+TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")  # None: [telemetry] not set
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware
 STYLE = web.RequestKey("style", ChatStyle)  # the route's API style: errors are rendered in it

@@ -53,20 +53,21 @@ from proxy.appkeys import (
     ROUTER,
     SETTLER,
     TASKS,
+    TRACING,
     UPSTREAMS,
 )
 from proxy.blobs.base import StoreFailed
 from proxy.blobs.media import send_stored
 from proxy.config import Policies, TierPolicy
 from proxy.credits import idempotency
+from proxy.credits.admission import Window
 from proxy.credits.meter import Meter, Result
-from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.families import chat as chat_family
 from proxy.families.base import Ctx, Family
 from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
-from proxy.observe.trace import TRACE
+from proxy.observe.trace import CURRENT, OPERATIONS, TRACE, Trace
 from proxy.outcome import Outcome
 from proxy.policy.tiers import check_access, check_queue_budget, completion_cap, tier_of
 from proxy.styles.base import ChatStyle
@@ -103,8 +104,9 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     app = request.app
     snapshot = app[LIVE].current  # one policy version for the whole request
     policies = snapshot.policies
+    began = time.monotonic()
     principal = await snapshot.auth.principal(request.headers, request.remote)
-    _traced(request, principal)
+    _traced(request, principal, began, "chat")
     tier = tier_of(policies.tiers, principal.tier)
     router = app[ROUTER]
     try:
@@ -149,7 +151,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         if mode == "direct" and not call.async_:  # its slot's round trip beside admission's
             early = dispatcher.start(pool, ctx.ticket,
                                      chat_family.affinity(pool, call, request.headers))
-        request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers(style.name)
+        request[RESPONSE_HEADERS] = (await _admit(request, meter, tier)).headers(style.name)
         task_id = ids.task_id(mode)
         if call.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
             response = await submit(ctx, app[TASKS], meter, route=f"chat:{style.name}",
@@ -178,12 +180,12 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
         result.status = Outcome.CLIENT_GONE
         raise
     finally:
-        if result.status in _BROKEN_STREAMS and response is not None:
+        if call.stream and result.status in _BROKEN_STREAMS and response is not None:
             log.warning("stream on %s ended %s after %d content chunk(s) (request %s)",
                         request.path, result.status, result.tally.chunks if result.tally else 0,
                         ctx.request_id)
         dispatcher.forget(early)  # a slot taken early and never used goes back
-        _settle(request, meter, result)
+        meter.settle_on(request[TRACE], result)
         if claimed and claim is not None:
             _keep_or_release(request, claim, result, response, policies)
 
@@ -195,8 +197,9 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     app = request.app
     snapshot = app[LIVE].current  # one policy version for the whole request
     policies = snapshot.policies
+    began = time.monotonic()
     principal = await snapshot.auth.principal(request.headers, request.remote)
-    _traced(request, principal)
+    _traced(request, principal, began, family.name)
     tier = tier_of(policies.tiers, principal.tier)
     router = app[ROUTER]
     try:
@@ -236,7 +239,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         if mode == "direct" and not job.async_ and family.early_slot(job):
             early = dispatcher.start(pool, ctx.ticket, None)  # beside admission's round trip
             ctx = dataclasses.replace(ctx, early=early)
-        request[RESPONSE_HEADERS] = (await meter.admit(tier)).headers()
+        request[RESPONSE_HEADERS] = (await _admit(request, meter, tier)).headers()
         task_id = ids.task_id(mode)
         if job.async_:  # the hold goes with the task; a worker runs it (proxy.tasks)
             response = await submit(ctx, app[TASKS], meter, route=family.name,
@@ -263,7 +266,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         raise
     finally:
         dispatcher.forget(early)  # a slot taken early and never used goes back
-        _settle(request, meter, result)
+        meter.settle_on(request[TRACE], result)
         if claimed and claim is not None:
             _keep_or_release(request, claim, result, response, policies)
 
@@ -280,7 +283,22 @@ async def queued(app: web.Application, routes: Mapping[str, Runnable], account: 
     policies = app[LIVE].current.policies
     ctx = Ctx(policies, app[ROUTER], app[UPSTREAMS], app[FETCHER], spec.request_id,
               spec.headers, ticket_for(spec.tier, policies.tiers.tiers, spec.account))
-    await run_task(ctx, store, app[MEDIA], app[METERING], spec, routes.get(spec.route))
+    # Its own trace, linked to the request that submitted it (a run may come hours later).
+    trace = Trace(f"task {spec.route}", tier=spec.tier, model=spec.model,
+                  operation=OPERATIONS.get(spec.route.partition(":")[0]))
+    tracing = app[TRACING]
+    if tracing is not None:
+        trace.spans = tracing.begin({})
+        tracing.link(trace.spans, spec.traceparent)
+    context = CURRENT.set(trace)
+    status = 499  # cancelled: the worker stopped under it
+    try:
+        status = await run_task(ctx, store, app[MEDIA], app[METERING], spec,
+                                routes.get(spec.route))
+    finally:
+        CURRENT.reset(context)
+        if tracing is not None:
+            tracing.finish(trace, status, None)
 
 
 def _ctx(request: web.Request, policies: Policies, principal: Principal) -> Ctx:
@@ -290,27 +308,30 @@ def _ctx(request: web.Request, policies: Policies, principal: Principal) -> Ctx:
                                            principal.account))
 
 
-def _traced(request: web.Request, principal: Principal) -> None:
+def _traced(request: web.Request, principal: Principal, began: float, family: str) -> None:
+    """Who is calling and for what, on the request's trace; the auth step (from `began`)
+    timed."""
     trace = request[TRACE]
+    trace.stage("auth", began)
+    trace.operation = OPERATIONS.get(family)
     trace.tier = principal.tier
     if principal.kind != "guest":
         trace.account = principal.account
+
+
+async def _admit(request: web.Request, meter: Meter, tier: TierPolicy) -> Window:
+    """Admission (rate and token limits + the hold: one Redis step), timed on the trace."""
+    began = time.monotonic()
+    try:
+        return await meter.admit(tier)
+    finally:
+        request[TRACE].stage("admission", began)
 
 
 def _reply_headers(request: web.Request, task_id: str) -> dict[str, str]:
     """Sent with the answer (which goes out before the middleware sees it)."""
     return {**request.get(RESPONSE_HEADERS, {}), "X-Request-Id": request[REQUEST_ID],
             "X-Task-Id": task_id}
-
-
-def _settle(request: web.Request, meter: Meter, result: Result) -> None:
-    """Settle once; what it charges goes on the request's trace."""
-    charged = meter.settle(result)
-    if charged is not None:
-        trace = request[TRACE]
-        cost, trace.units = charged
-        if cost:
-            trace.credits = format_credits(cost)
 
 
 def _push_back(pool: Pool, tier: TierPolicy, tier_name: str) -> None:

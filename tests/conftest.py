@@ -19,6 +19,7 @@ pytest_plugins = [
     "tests.support.gateway",  # gateway
     "tests.support.media_stack",  # media
     "tests.support.object_store",  # s3_server (session), s3_bucket
+    "tests.support.trace_backend",  # trace_backend (session): Phoenix, a real OTLP backend
 ]
 
 

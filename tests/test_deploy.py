@@ -1,6 +1,7 @@
-"""deploy/: the compose stack, the image, Prometheus' scrape config and the Grafana dashboard agree
-with the repository and with the metrics the gateway really exports. Nothing here needs Docker or
-a network: files are parsed, and the live check runs a gateway on loopback."""
+"""deploy/: the compose stack, the image, Prometheus' scrape config, the Grafana dashboard and the
+tracing path (gateway -> Jaeger, exemplars -> Grafana -> Jaeger) agree with the repository and with
+the metrics the gateway really exports. Nothing here needs Docker or a network: files are parsed,
+and the live check runs a gateway on loopback."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import asyncio
 import json
 import re
 import shlex
+import shutil
+import tomllib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from redis.asyncio import Redis
 
 from proxy.api.scrape import SCRAPE_TIME_METRICS
 from proxy.appkeys import CONFIG
+from proxy.config import load_config
 from proxy.credits.ledger import Ledger
 from proxy.observe.metrics import Labels, Metrics
 from proxy.runtime.signal_scraper import SignalScraper
@@ -36,10 +40,15 @@ from tests.support.upstreams import SimulatorFactory
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "inference-gateway.json"
-DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+DATASOURCE_DIR = DEPLOY / "grafana" / "provisioning" / "datasources"
+DATASOURCES = DATASOURCE_DIR / "prometheus.yml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "dashboards.yml"
 METRIC_NAME = re.compile(r"\bigw_[A-Za-z0-9_:]*")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+# The histograms whose buckets carry exemplars, and the exemplars' label naming the trace.
+EXEMPLAR_HISTOGRAMS = ("igw_request_duration_seconds", "igw_time_to_first_token_seconds")
+EXEMPLAR_LABEL = "trace_id"
+OTLP_HTTP_PORT = 4318
 
 
 def load_yaml(path: Path) -> Any:
@@ -105,6 +114,35 @@ def option(words: list[str], name: str) -> str:
     return words[words.index(name) + 1]
 
 
+def image_config_dir() -> str:
+    """The config folder the image's CMD serves (`--config`)."""
+    (cmd,) = [exec_form(args) for keyword, args in final_stage() if keyword == "CMD"]
+    return option(cmd, "--config").rstrip("/")
+
+
+def gateway_config() -> Path:
+    """The backends.toml the compose gateway reads: a bind mount over the image's, else the
+    image's own (the repository's root backends.toml)."""
+    target = f"{image_config_dir()}/backends.toml"
+    mounted = [host for host, path in bind_mounts(services()["gateway"]) if path == target]
+    assert len(mounted) <= 1, mounted
+    return mounted[0] if mounted else ROOT / "backends.toml"
+
+
+def reachable_ports(service: dict[str, Any]) -> set[int]:
+    """Container ports other services may use: `expose` and the container side of `ports`."""
+    exposed = {int(str(spec).split("/")[0]) for spec in service.get("expose", [])}
+    return exposed | set(container_ports(service))
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    """A service's environment, from either compose form (a mapping or KEY=VALUE strings)."""
+    found = service.get("environment", {})
+    if isinstance(found, list):
+        return dict(str(item).partition("=")[::2] for item in found)
+    return {key: str(value) for key, value in found.items()}
+
+
 def dashboard() -> dict[str, Any]:
     document: dict[str, Any] = json.loads(DASHBOARD.read_text())
     return document
@@ -132,6 +170,13 @@ def provisioned_datasource() -> dict[str, Any]:
     return found
 
 
+def all_datasources() -> list[dict[str, Any]]:
+    """Every data source Grafana provisions (it reads every YAML file in the folder)."""
+    return [source for path in sorted(DATASOURCE_DIR.iterdir())
+            if path.suffix in (".yml", ".yaml")
+            for source in load_yaml(path).get("datasources", [])]
+
+
 def exposed_names(families: Iterable[Any]) -> set[str]:
     """The series names a scrape shows for these metric families (prometheus-client drops
     `_total` from a counter family's name; the series keep it)."""
@@ -156,8 +201,8 @@ def registry_names() -> set[str]:
 
 # -- compose --------------------------------------------------------------------------------------
 
-def test_compose_has_the_four_services() -> None:
-    assert set(services()) >= {"gateway", "redis", "prometheus", "grafana"}
+def test_compose_has_the_five_services() -> None:
+    assert set(services()) >= {"gateway", "redis", "prometheus", "grafana", "jaeger"}
     assert services()["redis"]["image"].startswith("redis:7")
     assert set(compose()["volumes"]) >= {"redis-data", "prometheus-data", "grafana-data"}
 
@@ -172,7 +217,7 @@ def test_compose_builds_the_gateway_from_the_repository() -> None:
 def test_every_mounted_host_path_exists() -> None:
     mounts = [(name, host) for name, service in services().items()
               for host, _ in bind_mounts(service)]
-    assert len(mounts) >= 4  # policies, prometheus.yml, provisioning, dashboards
+    assert len(mounts) >= 5  # backends.toml, policies, prometheus.yml, provisioning, dashboards
     for name, host in mounts:
         assert host.exists(), f"{name} mounts {host}, which is not in the repository"
         assert ROOT in host.parents, f"{name} mounts {host}, outside the repository"
@@ -196,6 +241,59 @@ def test_ports_match_the_image_and_the_ledger_is_not_published() -> None:
     assert container_ports(services()["grafana"]) == [3000]
     assert container_ports(services()["prometheus"]) == [9090]
     assert container_ports(services()["redis"]) == []
+    assert container_ports(services()["jaeger"]) == [16686]  # the UI; OTLP stays on the network
+
+
+# -- traces: the gateway exports to the jaeger service -------------------------------------------
+
+def test_jaeger_is_pinned_and_receives_otlp_over_http() -> None:
+    jaeger = services()["jaeger"]
+    image, _, tag = jaeger["image"].partition(":")
+    assert image == "jaegertracing/all-in-one"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tag), f"pin a version, not {tag or 'latest'!r}"
+    assert environment(jaeger).get("COLLECTOR_OTLP_ENABLED") == "true"
+    assert OTLP_HTTP_PORT in reachable_ports(jaeger)
+    assert "jaeger" in services()["gateway"]["depends_on"]
+
+
+def test_compose_gateway_config_sends_traces_to_jaeger() -> None:
+    config = gateway_config()
+    assert config != ROOT / "backends.toml", \
+        "compose must mount its own backends.toml: the shipped one has no jaeger to send to"
+    assert config.exists() and ROOT in config.parents
+    telemetry = tomllib.loads(config.read_text()).get("telemetry")
+    assert telemetry, f"{config.relative_to(ROOT)} has no [telemetry]: tracing is off"
+    url = urlparse(telemetry["endpoint"])
+    assert url.scheme == "http" and url.path == "/v1/traces", telemetry["endpoint"]
+    assert url.hostname == "jaeger" and url.hostname in services()
+    assert url.port == OTLP_HTTP_PORT and url.port in reachable_ports(services()[url.hostname])
+    assert 0 <= telemetry["sample_ratio"] <= 1
+    assert telemetry.get("capture_content", False) is False  # no prompts in a demo's spans
+
+
+def test_compose_gateway_config_is_the_shipped_one_plus_telemetry() -> None:
+    shipped = tomllib.loads((ROOT / "backends.toml").read_text())
+    assert "telemetry" not in shipped  # no jaeger outside compose: tracing stays off there
+    ours = tomllib.loads(gateway_config().read_text())
+    ours.pop("telemetry", None)
+    assert ours == shipped, (
+        f"{gateway_config().relative_to(ROOT)} must stay the root backends.toml plus [telemetry]: "
+        "carry the root file's change over")
+
+
+def test_compose_gateway_config_loads(tmp_path: Path) -> None:
+    """What the container serves (the mounted backends.toml, the repository's policies/)
+    passes the gateway's own checks, [telemetry] included."""
+    folder = tmp_path / "gateway"
+    folder.mkdir()
+    mounts = {path: host for host, path in bind_mounts(services()["gateway"])}
+    config_dir = image_config_dir()
+    shutil.copy(mounts[f"{config_dir}/backends.toml"], folder / "backends.toml")
+    shutil.copytree(mounts[f"{config_dir}/policies"], folder / "policies")
+    config = load_config(folder)
+    assert config.telemetry is not None
+    assert config.telemetry.endpoint == tomllib.loads(
+        gateway_config().read_text())["telemetry"]["endpoint"]
 
 
 # -- the image ------------------------------------------------------------------------------------
@@ -245,6 +343,33 @@ def test_prometheus_scrapes_the_gateway_service() -> None:
     (mount,) = [target for host, target in bind_mounts(services()["prometheus"])
                 if host == DEPLOY / "prometheus" / "prometheus.yml"]
     assert f"--config.file={mount}" in services()["prometheus"]["command"]
+
+
+def test_prometheus_keeps_the_gateways_exemplars() -> None:
+    command = services()["prometheus"]["command"]
+    features = {feature for word in command if word.startswith("--enable-feature=")
+                for feature in word.removeprefix("--enable-feature=").split(",")}
+    assert "exemplar-storage" in features
+    config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    port = container_ports(services()["gateway"])[0]
+    (job,) = [job for job in config["scrape_configs"]
+              if any(f"gateway:{port}" in group["targets"] for group in job["static_configs"])]
+    # Only OpenMetrics carries exemplars: it must be what Prometheus asks for first.
+    protocols = job.get("scrape_protocols") or config["global"].get("scrape_protocols")
+    assert protocols and protocols[0].startswith("OpenMetricsText"), protocols
+
+
+def test_grafana_links_exemplars_to_the_jaeger_datasource() -> None:
+    sources = all_datasources()
+    uids = [source["uid"] for source in sources]
+    assert len(uids) == len(set(uids))
+    assert [source["type"] for source in sources if source.get("isDefault")] == ["prometheus"]
+    (jaeger,) = [source for source in sources if source["type"] == "jaeger"]
+    url = urlparse(jaeger["url"])
+    assert url.hostname == "jaeger" and url.port in container_ports(services()["jaeger"])
+    destinations = provisioned_datasource()["jsonData"]["exemplarTraceIdDestinations"]
+    assert {(d["name"], d.get("datasourceUid")) for d in destinations} == {
+        (EXEMPLAR_LABEL, jaeger["uid"])}
 
 
 def test_grafana_provisioning_matches_the_stack() -> None:
@@ -297,6 +422,22 @@ def test_latency_panels_are_quantiles_of_the_histograms() -> None:
         assert used, f"no quantile of {metric}"
         assert all(re.search(r"by \([^)]*\ble\b", expr) for expr in used)
     assert any(expr.startswith("histogram_quantile(0.99") for expr in quantiles)
+
+
+def test_latency_panels_show_exemplars() -> None:
+    """Each time series of the two histograms asks for exemplars, on one query per panel: every
+    quantile of a histogram reads the same buckets, so more would draw each exemplar again."""
+    found: set[str] = set()
+    for panel in panels(dashboard()["panels"]):
+        for metric in EXEMPLAR_HISTOGRAMS:
+            targets = [t for t in panel.get("targets", [])
+                       if f"{metric}_bucket" in t.get("expr", "")]
+            if not targets or panel["type"] != "timeseries":
+                continue  # a stat panel draws no exemplars
+            asking = [t["refId"] for t in targets if t.get("exemplar") is True]
+            assert len(asking) == 1, f"{panel['title']}: exemplars on {asking or 'no query'}"
+            found.add(metric)
+    assert found == set(EXEMPLAR_HISTOGRAMS)
 
 
 # -- the dashboard asks only for what the gateway exports ----------------------------------------

@@ -1,5 +1,5 @@
 """The one middleware: a request id, header-name hygiene, the drain gate, every error in the
-documented shape, and each request's metrics and access-log line (proxy.observe)."""
+documented shape, and each request's trace, metrics and access-log line (proxy.observe)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from proxy.appkeys import (
     RESPONSE_HEADERS,
     ROUTE_STYLES,
     STYLE,
+    TRACING,
 )
 from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.headers import request_id_from
@@ -44,6 +45,10 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     resource = request.match_info.route.resource
     trace = Trace(resource.canonical if resource is not None else "unmatched")
     request[TRACE] = trace
+    logged = request.path not in _ALWAYS_SERVED
+    tracing = request.app[TRACING] if logged else None
+    if tracing is not None:
+        trace.spans = tracing.begin(request.headers)
     context = CURRENT.set(trace)
     metrics = request.app[METRICS]
     metrics.started(trace.route)
@@ -54,8 +59,10 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
         return response
     finally:
         CURRENT.reset(context)
+        if tracing is not None:
+            tracing.finish(trace, status, request.method)
         metrics.answered(trace, status)
-        if request.path not in _ALWAYS_SERVED:
+        if logged:
             request.app[ACCESS_LOG].write(request, trace, status, request_id)
 
 

@@ -6,6 +6,9 @@ Then what is only true now is read at scrape time by the worker that answers: it
 backend's health, the supervisor's word on supervised backends (state,
 restarts: from the fleet records every worker follows), the engines' own load (queue, batch,
 KV cache: scraped by the master), and the async task queue (Redis).
+
+A scraper that accepts OpenMetrics (Prometheus with exemplar storage on) gets it, with the
+latency buckets' exemplars: the ids of kept traces (proxy.observe.exemplars).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.openmetrics import exposition as openmetrics
 from redis.exceptions import RedisError
 
 from proxy.appkeys import METRICS, REDIS, ROUTER
+from proxy.observe.exemplars import attach, gathered
 from proxy.store.client import Store
 from proxy.tasks.store import GROUP, QUEUE
 from proxy.upstream.fleet_state import BACKING_OFF, READY, STARTING, STOPPED, UNHEALTHY
@@ -49,14 +54,21 @@ class _Families:
 
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
-    app[METRICS].flush()  # this worker's counts up to now; the others' are at most FLUSH_S old
-    registry = CollectorRegistry()
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by the master (runtime.master)
-        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    own = app[METRICS]
+    own.flush()  # this worker's counts up to now; the others' are at most FLUSH_S old
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # set by the master (runtime.master)
+    counted = CollectorRegistry()
+    if folder:
+        MultiProcessCollector(counted)  # type: ignore[no-untyped-call]
     else:
-        registry.register(_Families(app[METRICS].registry.collect()))
+        counted = own.registry
+    registry = CollectorRegistry()
+    registry.register(_Families(attach(counted.collect(), gathered(folder, own.exemplars))))
     queue = await _queue_depth(app[REDIS])
     registry.register(_Families([*backend_families(app[ROUTER].backends), *queue]))
+    if "application/openmetrics-text" in request.headers.get("Accept", ""):
+        return web.Response(body=openmetrics.generate_latest(registry),  # type: ignore[no-untyped-call]
+                            headers={"Content-Type": openmetrics.CONTENT_TYPE_LATEST})
     return web.Response(body=generate_latest(registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

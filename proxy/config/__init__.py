@@ -7,7 +7,7 @@ check them, through the collector the request validator uses.
 
     vocabulary.py   backend kinds, families, modes, bounded value types, the `Section` base
     backends.py     backends.toml: [gateway], [server], [upstream], [health], [supervisor],
-                    [routing], [media] and the [[backends]]
+                    [routing], [media], [alerts], [telemetry] and the [[backends]]
     policies.py     policies/requests.toml, auth.toml, tiers.toml, prices.toml
     checks.py       the rules that span fields and files
     jwt_keys.py     auth.toml's JWT key material (PyJWT: imported only when JWTs are configured)
@@ -28,6 +28,7 @@ from proxy.config.backends import (
     RoutingSection,
     ServerSection,
     SupervisorSection,
+    TelemetrySection,
     UpstreamSection,
     Weight,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "ServerSection",
     "SupervisorSection",
     "TasksPolicy",
+    "TelemetrySection",
     "TierPolicy",
     "TiersPolicy",
     "TokenLimits",

@@ -1,6 +1,6 @@
 """backends.toml: the gateway's own settings ([gateway], [server], [upstream], [health],
-[supervisor], [routing], [media], [alerts]) and the upstream servers it sends requests to
-([[backends]]).
+[supervisor], [routing], [media], [alerts], [telemetry]) and the upstream servers it sends
+requests to ([[backends]]).
 """
 
 from __future__ import annotations
@@ -209,6 +209,29 @@ class AlertsSection(Section, frozen=True):
         10.0, 60.0, 300.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 43200.0)
 
 
+class TelemetrySection(Section, frozen=True):
+    """OpenTelemetry traces (proxy.observe.tracing): on when the section is present. The
+    exporter's credentials, if the backend wants any, come from the environment
+    (OTEL_EXPORTER_OTLP_TRACES_HEADERS, read by the exporter), never from this file."""
+
+    # The OTLP/HTTP (protobuf) traces endpoint, e.g. a collector's or Jaeger's /v1/traces.
+    endpoint: Annotated[str, msgspec.Meta(pattern="^https?://[^\\x00-\\x20\\x7f]+$")]
+    # Share of new traces kept (parent-based: a trusted caller's sampled flag decides for it).
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    # Keep whatever the ratio says: 5xx answers and streams that broke after their 200 ...
+    keep_errors: bool = True
+    # ... and requests slower than this (0: none).
+    keep_slower_than_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 0.0
+    # Continue a caller's W3C trace (traceparent/tracestate); else every request starts one.
+    trust_client_context: bool = False
+    # Put the prompt and the completion's text in the spans (personal data: off as shipped).
+    capture_content: bool = False
+    service_name: NonEmpty = "inference-gateway"
+    # How often the batch exporter sends, and one export's deadline.
+    export_every_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+    timeout_s: Seconds = 10.0
+
+
 class BackendsFile(Section, frozen=True):
     gateway: GatewaySection = GatewaySection()
     server: ServerSection = ServerSection()
@@ -218,4 +241,5 @@ class BackendsFile(Section, frozen=True):
     routing: RoutingSection = RoutingSection()
     media: MediaSection = MediaSection()
     alerts: AlertsSection = AlertsSection()
+    telemetry: TelemetrySection | None = None
     backends: list[BackendSpec] = []

@@ -20,6 +20,7 @@ from proxy.config.backends import (
     RoutingSection,
     ServerSection,
     SupervisorSection,
+    TelemetrySection,
     UpstreamSection,
 )
 from proxy.config.checks import (
@@ -47,6 +48,7 @@ class Config(Section, frozen=True):
     routing: RoutingSection
     media: MediaSection
     alerts: AlertsSection
+    telemetry: TelemetrySection | None
     backends: tuple[BackendSpec, ...]
     policies: Policies
 
@@ -121,6 +123,7 @@ def load_config(folder: str | Path = ".") -> Config:
         routing=backends.routing,
         media=backends.media,
         alerts=backends.alerts,
+        telemetry=backends.telemetry,
         backends=tuple(backends.backends),
         policies=Policies(**policies),
     )

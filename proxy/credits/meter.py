@@ -45,6 +45,7 @@ from proxy.credits.token_windows import TokenWindow
 from proxy.errors import ErrorKind, GatewayError
 from proxy.identity.principal import Principal
 from proxy.observe.metrics import Metrics
+from proxy.observe.trace import Trace
 from proxy.outcome import Outcome
 
 # The answer reached the client, or was made for it and the client left while it went out.
@@ -246,6 +247,16 @@ class Meter:
         self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing
         metering.metrics.settled(self.model, self.principal.tier, *self.charged)
         return self.charged
+
+    def settle_on(self, trace: Trace | None, result: Result) -> None:
+        """`settle`, with what it charges (and the step) on the request's or run's trace."""
+        began = time.monotonic()
+        charged = self.settle(result)
+        if trace is not None and charged is not None:
+            cost, trace.units = charged
+            if cost:
+                trace.credits = format_credits(cost)
+            trace.stage("settlement", began, {"igw.outcome": str(result.status)})
 
     def _priced(self, result: Result) -> tuple[int, dict[str, int], dict[str, object]]:
         """(cost, units for the running totals, journal details) of what was used."""

@@ -20,6 +20,7 @@ from proxy.credits.meter import Result
 from proxy.credits.pricing import MediaPart, media_parts, usage_from
 from proxy.errors import ErrorKind, GatewayError, validation_failed
 from proxy.families.base import Ctx
+from proxy.observe.trace import TRACE
 from proxy.styles import wire
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import http1
@@ -128,12 +129,20 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
 
     async def relay(backend: Backend, upstream: http1.Response) -> web.StreamResponse:
         served.append(backend)
+        trace = request[TRACE]
+        capture = trace.spans is not None and trace.spans.capture
+        if capture:
+            trace.prompt = orjson.dumps(call.openai_body.get("messages"))
         if call.stream:
-            chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage)
+            chunks = wire.ChunkFilter(backend.spec.kind, call.model, call.want_usage, capture)
+            trace.finish_reasons, trace.answer = chunks.reasons, chunks.text
             return await relay_stream(request, upstream, chunks, style.encoder(call, task_id),
                                       headers, result, max_s=ctx.upstreams.settings.max_stream_s)
         completion = wire.fix_response(await read_completion(upstream), backend.spec.kind,
                                        call.model)
+        trace.finish_reasons = wire.finish_reasons(completion)
+        if capture:
+            trace.answer = wire.first_text(completion)
         body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502
         result.answered(usage=completion.get("usage"))
         return await send_whole(request, web.Response(

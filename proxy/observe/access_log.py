@@ -8,7 +8,8 @@ dicts (~850 B), and the thread joins no copy of a batch: memory it allocates lan
 arena of its own, which the process keeps (a batch joined there, and orjson's 4 KB buffers, once
 cost the worker ~8 MB of RSS under load). `QUEUE_MAX` bounds what a writer that falls behind
 can hold. A line holds the request id, method, route template, model, tier, account, status,
-error type, latency, time to first byte, backend, stream outcome, units and credits; never a key,
+error type, latency, time to first byte, backend, stream outcome, units, credits and the id of
+its trace when one was exported ([telemetry]); never a key,
 a token, a header or anything from a body. `[gateway] access_log` picks where it goes
 ("stderr", "off" or a file path; a file is reopened when logrotate moves it).
 """
@@ -91,6 +92,8 @@ class AccessLog:
             line["units"] = trace.units
         if trace.credits:
             line["credits"] = trace.credits
+        if trace.spans is not None and trace.spans.kept:  # exported: the backend has it
+            line["trace_id"] = f"{trace.spans.trace_id:032x}"
         # A copy: orjson hands back its whole 4 KB working buffer (see wire.upstream_body).
         self._queue.put(bytes(memoryview(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
@@ -30,6 +31,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from proxy.observe.exemplars import Exemplars
 from proxy.observe.trace import Trace
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `_created`: dashboard noise
@@ -89,6 +91,7 @@ class Metrics:
         self._live: dict[Any, int] = {}  # gauge children: what is open now
         self._observed: dict[Any, list[float]] = {}
         self._bounds: dict[Any, tuple[float, ...]] = {}  # a histogram child's bucket bounds
+        self.exemplars = Exemplars()  # kept traces' ids on the latency buckets
         r = registry
         self.requests = Counter(
             "igw_requests", "Requests answered, by route template, model, tier and status.",
@@ -208,6 +211,9 @@ class Metrics:
                 child.inc(amount)
         for child, open_now in self._live.items():
             child.set(open_now)
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder:
+            self.exemplars.write(folder)
         for child, tally in observed.items():
             # prometheus-client has no "observe many": its histogram is a sum and a value
             # per bucket (private: `_sum`, `_buckets`, in tests/test_contracts.py), which is
@@ -228,9 +234,18 @@ class Metrics:
         values = (route, model, tier, str(status))
         self.live(self.child(self.in_flight, route), -1)
         self.add(self.child(self.requests, *values))
-        self.observe(self.child(self.duration, *values), time.monotonic() - trace.started)
+        seconds = time.monotonic() - trace.started
+        self.observe(self.child(self.duration, *values), seconds)
         if trace.first_byte_s is not None:
             self.observe(self.child(self.first_token, route, model), trace.first_byte_s)
+        if trace.spans is not None and trace.spans.kept:  # its trace was exported: link to it
+            trace_id = f"{trace.spans.trace_id:032x}"
+            self._exemplar("igw_request_duration_seconds", LATENCY_BUCKETS, zip(
+                ("route", "model", "tier", "status"), values, strict=True), seconds, trace_id)
+            if trace.first_byte_s is not None:
+                self._exemplar("igw_time_to_first_token_seconds", FIRST_TOKEN_BUCKETS,
+                               (("route", route), ("model", model)), trace.first_byte_s,
+                               trace_id)
         if trace.outcome is not None:
             self.add(self.child(self.stream_endings, route, trace.outcome))
         if trace.error is not None:
@@ -239,6 +254,12 @@ class Metrics:
                 self.add(self.child(self.rate_limited, tier))
             elif status in _DENIED:
                 self.add(self.child(self.denied, tier, trace.error))
+
+    def _exemplar(self, histogram: str, buckets: Sequence[float],
+                  labels: Iterable[tuple[str, str]], value: float, trace_id: str) -> None:
+        bounds = bucket_bounds(buckets)
+        self.exemplars.note(histogram, labels, bounds[bisect_left(bounds, value)], trace_id,
+                            value)
 
     def upstream_started(self, backend: str) -> str:
         """An exchange with `backend` begins; returns its label value for the calls below."""

@@ -119,9 +119,9 @@ class ChunkFilter:
     """
 
     __slots__ = ("_call_ids", "_completion_id", "_kind", "_model", "_tool_choices", "chunks",
-                 "finished", "usage", "want_usage")
+                 "finished", "reasons", "text", "usage", "want_usage")
 
-    def __init__(self, kind: str, model: str, want_usage: bool) -> None:
+    def __init__(self, kind: str, model: str, want_usage: bool, capture: bool = False) -> None:
         self._kind = kind
         self._model = model
         self._completion_id = new_completion_id() if kind == "tgi" else ""  # TGI sends ""
@@ -131,6 +131,9 @@ class ChunkFilter:
         self.usage: dict[str, Any] | None = None
         self.chunks = 0
         self.finished = False
+        self.reasons: list[str] = []  # each choice's finish_reason, as the engine gave it
+        # The first choice's text as it streams, when a trace captures content ([telemetry]).
+        self.text: list[str] | None = [] if capture else None
 
     def feed(self, data: bytes) -> bytes | None:
         """The JSON to send for this event, or None to drop it. Raises UpstreamStreamError."""
@@ -147,8 +150,11 @@ class ChunkFilter:
                     return data if self.want_usage else None
         if carries_tokens(data):
             self.chunks += 1
+            if self.text is not None:
+                self._keep_text(parse_chunk(data))
         if b'"finish_reason":"' in data or b'"finish_reason": "' in data:
             self.finished = True
+            self.reasons.extend(_finish_reasons(data))
         return data
 
     def _fix_tgi(self, chunk: dict[str, Any]) -> bytes | None:
@@ -177,9 +183,21 @@ class ChunkFilter:
             if reason is not None:
                 self.finished = True
                 choice["finish_reason"] = _finish(reason, index in self._tool_choices)
+                self.reasons.append(str(choice["finish_reason"]))
         if tokens:
             self.chunks += 1
+            if self.text is not None:
+                self._keep_text(chunk)
         return orjson.dumps(chunk)
+
+    def _keep_text(self, chunk: dict[str, Any]) -> None:
+        assert self.text is not None
+        for choice in chunk.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                delta = choice.get("delta")
+                content = delta.get("content") if isinstance(delta, dict) else None
+                if isinstance(content, str):
+                    self.text.append(content)
 
 
     def _name_tool_calls(self, choice: int, calls: object) -> None:
@@ -190,6 +208,32 @@ class ChunkFilter:
                 if key not in self._call_ids:
                     self._call_ids[key] = new_call_id()
                 call["id"] = self._call_ids[key]
+
+
+def _finish_reasons(data: bytes) -> list[str]:
+    """The finish reasons in a chunk, read off its bytes (a parse per stream end is spared)."""
+    found = []
+    for part in data.split(b'"finish_reason":')[1:]:
+        part = part.lstrip()
+        if part[:1] == b'"':
+            found.append(part[1:part.find(b'"', 1)].decode("utf-8", "replace"))
+    return found
+
+
+def finish_reasons(completion: dict[str, Any]) -> list[str]:
+    """A whole completion's finish reasons, one per choice that has one."""
+    return [str(choice["finish_reason"]) for choice in completion.get("choices") or ()
+            if isinstance(choice, dict) and choice.get("finish_reason") is not None]
+
+
+def first_text(completion: dict[str, Any]) -> list[str]:
+    """A whole completion's first choice's text (a trace that captures content)."""
+    for choice in completion.get("choices") or ():
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            message = choice.get("message")
+            content = message.get("content") if isinstance(message, dict) else None
+            return [content] if isinstance(content, str) else []
+    return []
 
 
 # A delta that carries generated text or a tool call (a role-only or empty chunk does not).

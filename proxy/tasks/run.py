@@ -22,6 +22,7 @@ from proxy.errors import ErrorKind, GatewayError, media_cap_reached, store_unava
 from proxy.families.base import Answer, Ctx, Family
 from proxy.families.chat import complete, parsed_call
 from proxy.identity.principal import Principal, PrincipalKind
+from proxy.observe.trace import CURRENT
 from proxy.outcome import Outcome
 from proxy.styles.base import ChatStyle
 from proxy.tasks.network import network_answer, network_chat
@@ -32,8 +33,9 @@ Runnable = Family | ChatStyle  # what a task's `route` names
 
 
 async def run_task(ctx: Ctx, store: TaskStore, media: MediaStore, metering: Metering,
-                   spec: TaskSpec, runnable: Runnable | None) -> None:
-    """Run `spec` (its record says it is still running), keep its result, settle its hold."""
+                   spec: TaskSpec, runnable: Runnable | None) -> int:
+    """Run `spec` (its record says it is still running), keep its result, settle its hold;
+    the HTTP status its answer would have had (for its trace)."""
     policies = ctx.policies
     ttl = policies.requests.tasks.result_ttl_s
     meter = _meter(metering, ctx, spec, runnable)
@@ -48,15 +50,21 @@ async def run_task(ctx: Ctx, store: TaskStore, media: MediaStore, metering: Mete
         else:
             kept = await _chat(ctx, store, runnable, spec, result)
         result.delivered()
-        meter.settle(result)
+        meter.settle_on(CURRENT.get(), result)
         await store.finish(spec.account, spec.id, result=kept, ttl_s=ttl)
+        return 200
     except GatewayError as exc:
         failed = Result(status=Outcome.UPSTREAM_ERROR)  # nothing is charged for a failure
         failed.failed(exc)
-        meter.settle(failed)
+        meter.settle_on(CURRENT.get(), failed)
+        trace = CURRENT.get()
+        if trace is not None:
+            trace.error = exc.kind.type
         await store.finish(spec.account, spec.id, ttl_s=ttl, error={
             "type": exc.kind.type, "message": exc.message, "status": exc.status,
             **({"detail": exc.detail} if exc.detail is not None else {})})
+        return exc.status
+
 
 
 async def _produce(ctx: Ctx, store: TaskStore, family: Family, spec: TaskSpec) -> Answer:

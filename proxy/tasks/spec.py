@@ -30,6 +30,7 @@ class TaskSpec(msgspec.Struct, kw_only=True, frozen=True):
     details: dict[str, Any] = {}  # the journal fields known at admission
     cap: int | None = None  # chat: the completion cap the hold assumed
     created_at: int
+    traceparent: str = ""  # the submitting request's span (W3C), when it was traced
 
 
 ENCODER = msgspec.json.Encoder()

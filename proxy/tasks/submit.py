@@ -20,6 +20,7 @@ from proxy.blobs.media import MediaStore
 from proxy.credits.meter import Meter
 from proxy.errors import ErrorKind, GatewayError, media_cap_reached, store_unavailable
 from proxy.families.base import Ctx
+from proxy.observe.trace import CURRENT
 from proxy.tasks.spec import TaskSpec
 from proxy.tasks.store import TaskStore
 
@@ -44,7 +45,8 @@ async def submit(ctx: Ctx, store: TaskStore, meter: Meter, *, route: str, body: 
         account=principal.account, tier=principal.tier, kind=principal.kind,
         key_id=principal.key_id, request_id=ctx.request_id, mode=mode, model=meter.model,
         hold_id=hold.hold_id if hold else "", held=hold.amount if hold else 0,
-        details=meter.details, cap=cap, created_at=int(time.time()))
+        details=meter.details, cap=cap, created_at=int(time.time()),
+        traceparent=_traceparent())
     try:
         queued = await store.submit(spec, max_open=policy.max_open_per_account,
                                     record_ttl_s=policy.result_ttl_s + policy.max_run_s)
@@ -60,6 +62,13 @@ async def submit(ctx: Ctx, store: TaskStore, meter: Meter, *, route: str, body: 
     return web.Response(status=202, content_type="application/json", body=orjson.dumps({
         "task_id": task_id, "status": "running", "poll_url": poll,
         "message": f"accepted; poll {poll} until the status is completed or failed"}))
+
+
+def _traceparent() -> str:
+    """The submitting request's own span, for the run's trace to link to (tracing on)."""
+    trace = CURRENT.get()
+    spans = trace.spans if trace is not None else None
+    return spans.traceparent() if spans is not None else ""
 
 
 def _forwardable(ctx: Ctx) -> dict[str, str]:

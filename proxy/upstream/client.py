@@ -32,7 +32,7 @@ import orjson
 from proxy.config import UpstreamSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
-from proxy.observe.trace import current_backend
+from proxy.observe.trace import CURRENT, Stage, new_span_id
 from proxy.upstream import http1
 from proxy.upstream.dispatch import Dispatcher, Early
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
@@ -134,8 +134,12 @@ class Upstreams:
         this request, waiting in `ticket`'s place in the queue while the pool has none free
         (`early`: the one taken while the request was admitted, for its first call).
         """
+        trace = CURRENT.get()
+        began = time.monotonic()
         backend = await (early.take() if early is not None and not early.used
                          else self.dispatcher.acquire(pool, ticket, prompt=prompt))
+        if trace is not None:
+            trace.stage("engine slot", began, {"igw.backend": backend.name})
         retried = False
         while True:
             taken_at = time.monotonic()
@@ -150,11 +154,14 @@ class Upstreams:
                 failed = failure
             finally:
                 self.dispatcher.release(pool, backend, time.monotonic() - taken_at)
+            began = time.monotonic()
             try:
                 backend = await self.dispatcher.acquire(pool, ticket, prompt=prompt,
                                                         exclude=backend)
             except GatewayError:
                 raise failed from None
+            if trace is not None:
+                trace.stage("engine slot", began, {"igw.backend": backend.name, "igw.retry": True})
             retried = True
 
     @asynccontextmanager
@@ -167,13 +174,28 @@ class Upstreams:
         (normally, by error or by cancellation when the client goes away) closes the upstream
         request, which is the only cancellation signal inference servers understand.
         """
+        trace = CURRENT.get()
+        spans = trace.spans if trace is not None else None
+        stage = None
+        sent_at = time.monotonic()
+        if trace is not None:
+            trace.backend = backend.name
+        if spans is not None:  # the engine's spans go under this exchange's
+            origin = backend.target(path).origin
+            stage = Stage("upstream", sent_at, sent_at, {
+                "igw.backend": backend.name, "igw.backend.kind": backend.spec.kind,
+                "server.address": origin[1], "server.port": origin[2],
+                "http.request.method": "POST"}, span_id=new_span_id(), client=True)
+            headers = {**headers, **spans.headers(stage.span_id)}
         backend.outstanding += 1
         name = self.metrics.upstream_started(backend.name)
         try:
-            current_backend(backend.name)
-            sent_at = time.monotonic()
             response = await self._post(backend, path, body, headers)
-            self.metrics.upstream_answered(name, time.monotonic() - sent_at)
+            answered = time.monotonic()
+            self.metrics.upstream_answered(name, answered - sent_at)
+            if stage is not None:
+                stage.events.append(("response_headers", answered))
+                stage.attrs["http.response.status_code"] = response.status
             self._open.add(response)
             try:
                 if response.status >= 400:
@@ -198,9 +220,16 @@ class Upstreams:
             finally:
                 self._open.discard(response)
                 response.release()
+        except GatewayError as exc:
+            if stage is not None:
+                stage.attrs["error.type"] = exc.kind.type
+            raise
         finally:
             backend.outstanding -= 1
             self.metrics.upstream_ended(name)
+            if stage is not None and spans is not None:
+                stage.end = time.monotonic()
+                spans.stages.append(stage)
 
     async def _post(self, backend: Backend, path: str, body: bytes,
                     headers: Mapping[str, str]) -> http1.Response:

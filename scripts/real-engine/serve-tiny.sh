@@ -11,6 +11,11 @@
 #   2-core box give each its own core (vLLM's default pins every replica's worker to core 0).
 #   The whole server is then kept on those cores (taskset): while it generates, vLLM's
 #   EngineCore process spins beside its worker and would otherwise take a second core.
+#   OTLP_TRACES_ENDPOINT: where to send vLLM's traces, over OTLP/HTTP (protobuf), e.g.
+#   http://127.0.0.1:6006/v1/traces (unset: none). Each request is then an `llm_request` span
+#   (kind SERVER), the child of the span in its `traceparent` header when it has one; loading the
+#   model is a trace of its own. OTEL_BSP_SCHEDULE_DELAY (ms, 500 here; the SDK's default is
+#   5000) is how long a finished span may wait before it is sent.
 # First run: ~2 min install + ~8 s model; then ~25-30 s to /health 200 (--enforce-eager: no
 # torch.compile warm-up, and the same speed for a model this small).
 #
@@ -46,6 +51,12 @@ PIN=()
 if [[ "${VLLM_CPU_OMP_THREADS_BIND:-}" =~ ^[0-9][0-9,-]*$ ]] && command -v taskset >/dev/null; then
   PIN=(taskset -c "$VLLM_CPU_OMP_THREADS_BIND")
 fi
+TRACES=()
+if [ -n "${OTLP_TRACES_ENDPOINT:-}" ]; then
+  export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=${OTEL_EXPORTER_OTLP_TRACES_PROTOCOL:-http/protobuf}
+  export OTEL_BSP_SCHEDULE_DELAY=${OTEL_BSP_SCHEDULE_DELAY:-500}
+  TRACES=(--otlp-traces-endpoint "$OTLP_TRACES_ENDPOINT")
+fi
 exec "${PIN[@]}" "$VENV/bin/vllm" serve "$MODEL" --served-model-name "${SERVED_NAME:-acme/tiny}" \
   --host "${HOST:-127.0.0.1}" --port "$PORT" --max-model-len "${MAX_MODEL_LEN:-1024}" \
-  --enforce-eager "$@"
+  --enforce-eager "${TRACES[@]}" "$@"

@@ -2,6 +2,9 @@
 
 `engines` installs vLLM and builds the tiny model unless cached (outside the clone), starts two
 replicas in parallel (one core each), and stops them by process group when the session ends.
+They export their traces (an `llm_request` span per request, the child of the request's
+`traceparent`) to the session's trace backend (`trace_backend`: Phoenix), which starts while
+they do and is ready when `engines` is.
 Any failure on the way FAILS every test of the tier with the reason: never a silent skip.
 `replicas` is what a test asks for: the same replicas, restarted first if a test killed one.
 
@@ -15,6 +18,7 @@ cores (or the RAM: ~4 GB) with it; a later test would start it again.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -28,22 +32,32 @@ from tests.support.real_engines import (
     EngineSetupError,
     Replica,
 )
+from tests.support.trace_backend import TraceBackend, TraceBackendError
 
 _TIMES: list[str] = []  # for the terminal summary: what the tier's setup cost this run
 
 
 @pytest.fixture(scope="session")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+def engines(tmp_path_factory: pytest.TempPathFactory,
+            trace_backend_starting: TraceBackend) -> Iterator[Engines]:
+    traces = trace_backend_starting  # launched, not waited for: it starts beside the replicas
     logs = tmp_path_factory.mktemp("real-engines")
     cores = os.cpu_count() or 1
-    fleet = Engines([Replica(f"vllm-{i}", free_port(), i % cores, logs / f"vllm-{i}.log")
-                     for i in range(2)], logs / "prepare.log")
+    fleet = Engines([Replica(f"vllm-{i}", free_port(), i % cores, logs / f"vllm-{i}.log",
+                             traces_to=traces.otlp_url) for i in range(2)], logs / "prepare.log")
     try:
         fleet.start()
     except EngineSetupError as exc:
         pytest.fail(f"the real-engine tier cannot run: {exc}", pytrace=False)
+    waiting = time.monotonic()
+    try:
+        traces.wait_ready()
+    except TraceBackendError as exc:
+        fleet.stop()
+        pytest.fail(f"the real-engine tier cannot run its trace backend: {exc}", pytrace=False)
     _TIMES.append(f"install/build check {fleet.prepare_s:.1f} s; replicas ready in "
-                  + ", ".join(f"{r.started_s:.1f} s" for r in fleet.replicas))
+                  + ", ".join(f"{r.started_s:.1f} s" for r in fleet.replicas)
+                  + f"; then waited {time.monotonic() - waiting:.1f} s for the trace backend")
     yield fleet
     fleet.stop()
 

@@ -81,12 +81,13 @@ def write_config(
     media: dict[str, Any] | None = None,
     routing: dict[str, Any] | None = None,
     alerts: dict[str, Any] | None = None,
+    telemetry: dict[str, Any] | None = None,
 ) -> Path:
     """A config folder as an operator writes it: backends.toml plus policies/*.toml."""
     lines = ["[gateway]"] + [f"{k} = {toml_value(v)}" for k, v in (gateway or {}).items()]
     lines += ["", "[upstream]"] + [f"{k} = {toml_value(v)}" for k, v in (upstream or {}).items()]
     for name, table in (("server", server), ("routing", routing), ("media", media),
-                        ("alerts", alerts)):
+                        ("alerts", alerts), ("telemetry", telemetry)):
         if table:
             lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in table.items()]
     for backend in backends:

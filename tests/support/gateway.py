@@ -53,7 +53,8 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
                     settings: dict[str, Any] | None = None,
                     media: dict[str, Any] | None = None,
                     routing: dict[str, Any] | None = None,
-                    alerts: dict[str, Any] | None = None) -> TestServer:
+                    alerts: dict[str, Any] | None = None,
+                    telemetry: dict[str, Any] | None = None) -> TestServer:
         backends = []
         for i, up in enumerate(upstreams):
             if isinstance(up, dict):
@@ -66,7 +67,7 @@ async def gateway(tmp_path: Path, clean_redis: RedisProcess) -> AsyncIterator[Ga
         policies = {"tiers.toml": GENEROUS_TIERS, **(policies or {})}
         folder = write_config(tmp_path / "config", backends, upstream=upstream, server=server,
                               policies=policies, gateway=settings, media=media,
-                              routing=routing, alerts=alerts)
+                              routing=routing, alerts=alerts, telemetry=telemetry)
         app: web.Application = build_app(load_config(folder), redis_url=redis_server.url,
                                          resolver=resolver)
         gw = GatewayTestServer(app)

@@ -7,6 +7,8 @@ same scripts serve docs/real-engine.md's "Try it on a real engine" (scripts/real
 Each replica is `serve-tiny.sh` exec'ing `vllm serve` in a new session, so its API server,
 EngineCore and worker share one process group and are stopped together (SIGTERM, grace,
 SIGKILL). A setup that fails raises `EngineSetupError` with the reason and the log's tail.
+A chat replica with `traces_to` exports its traces there (OTLP/HTTP: serve-tiny.sh's
+OTLP_TRACES_ENDPOINT); the tier sends them to the session's trace backend (trace_backend.py).
 The Whisper replica is the same, run by `serve-whisper.sh` (a second venv with vLLM's audio
 extras, and a tiny random Whisper). `backend()` and `whisper_backend()` are the backends.toml
 entries an operator writes for them. tests/real_engine/conftest.py holds the tier's fixtures.
@@ -88,6 +90,7 @@ class Replica:
     log: Path
     script: str = CHAT_SCRIPT
     args: tuple[str, ...] = REPLICA_ARGS
+    traces_to: str | None = None  # an OTLP/HTTP traces URL (serve-tiny.sh's OTLP_TRACES_ENDPOINT)
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # how long the last start took to /health 200
     starts: int = 0
@@ -100,6 +103,9 @@ class Replica:
     def start(self) -> None:
         env = {**os.environ, "REAL_ENGINES_DIR": str(CACHE),
                "VLLM_CPU_OMP_THREADS_BIND": str(self.core)}
+        env.pop("OTLP_TRACES_ENDPOINT", None)
+        if self.traces_to is not None:
+            env["OTLP_TRACES_ENDPOINT"] = self.traces_to
         # serve-tiny.sh keeps the whole replica on its core: a busy vLLM's EngineCore spins
         # beside its worker, and would take the other core from the other replica and the tests.
         with self.log.open("ab") as out:

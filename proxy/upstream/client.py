@@ -194,6 +194,8 @@ class Upstreams:
             answered = time.monotonic()
             self.metrics.upstream_answered(name, answered - sent_at)
             if stage is not None:
+                if response.connect_s is not None:  # a new connection (else a pooled one)
+                    stage.events.append(("connected", sent_at + response.connect_s))
                 stage.events.append(("response_headers", answered))
                 stage.attrs["http.response.status_code"] = response.status
             self._open.add(response)

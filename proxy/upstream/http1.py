@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+import time
 from collections.abc import Mapping
 
 from proxy.upstream.http1_connection import Connection
@@ -64,17 +65,24 @@ class Client:
         """Send the request; return once its status and headers are in (or raise one of this
         module's errors; nothing has been read of the body)."""
         head = request_head(target, headers, len(body))
-        conn = self._reusable(target.origin) or await self._connect(target.origin)
+        conn = self._reusable(target.origin)
+        connect_s = None
+        if conn is None:
+            began = time.monotonic()
+            conn = await self._connect(target.origin)
+            connect_s = time.monotonic() - began
         if len(body) < 65536:
             conn.send(head + body)
         else:  # a big upload: not copied once more
             conn.send(head)
             conn.send(body)
         try:
-            return await conn.response_head()
+            response = await conn.response_head()
         except BaseException:
             conn.close()
             raise
+        response.connect_s = connect_s
+        return response
 
     def _reusable(self, origin: tuple[str, str, int]) -> Connection | None:
         idle = self._idle.get(origin)

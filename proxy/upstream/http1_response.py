@@ -36,8 +36,8 @@ class Response:
     `chunks` or `read`, then `release` (or `close`) gives the connection back. A gzip or deflate
     body (a server may compress when the request names no encoding) is read decoded."""
 
-    __slots__ = ("_conn", "_inflate", "broken", "content_length", "headers", "status",
-                 "total_bytes")
+    __slots__ = ("_conn", "_inflate", "broken", "connect_s", "content_length", "headers",
+                 "status", "total_bytes")
 
     def __init__(self, conn: BodySource, status: int, headers: CIMultiDictProxy[str]) -> None:
         self._conn = conn
@@ -47,6 +47,7 @@ class Response:
         self.content_length = int(length) if length is not None and length.isdigit() else None
         self.total_bytes = 0  # body bytes read so far (decoded)
         self.broken: BaseException | None = None  # what ended the body early, if anything
+        self.connect_s: float | None = None  # a new connection's setup time (None: reused)
         encoding = headers.get("Content-Encoding", "identity").strip().lower()
         self._inflate = zlib.decompressobj(_WBITS[encoding]) if encoding in _WBITS else None
 

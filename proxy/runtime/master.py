@@ -232,11 +232,12 @@ def serve(config: Config, *, host: str | None, port: int | None,
 
 def _metrics_dir(config: Config) -> None:
     """A fresh folder for the workers' metric files (prometheus-client's multiprocess mode:
-    /metrics sums them). Emptied at each start: counters restart from zero with the gateway,
-    as Prometheus expects of a restarted target. Inherited by the workers."""
+    /metrics sums them), and their exemplars (proxy.observe.exemplars). Emptied at each
+    start: counters restart from zero with the gateway, as Prometheus expects of a restarted
+    target. Inherited by the workers."""
     folder = Path(os.environ.get(MULTIPROC_ENV) or config.data_dir / "metrics")
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("*.db"):
+    for stale in [*folder.glob("*.db"), *folder.glob("exemplars_*.json")]:
         stale.unlink()
     os.environ[MULTIPROC_ENV] = str(folder.resolve())
 

@@ -168,6 +168,27 @@ async def test_a_callers_context_is_continued_only_when_trusted(
     assert by_name(spans)[f"POST {ROUTE}"]["parent_id"] == caller_span
 
 
+@pytest.mark.parametrize("sent", [
+    {"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"},  # an all-zero trace id
+    {"traceparent": "ff-" + "a" * 32 + "-" + "b" * 16 + "-01"},  # a version W3C forbids
+    {"traceparent": "00-" + "a" * 4000},
+    {"traceparent": "\u00e9t\u00e9", "tracestate": "x" * 4000},
+    {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+     "tracestate": ",".join(f"k{i}=v" for i in range(40)) + ",=bad,\u00e9=1"},
+])
+async def test_a_garbled_callers_context_is_a_new_trace_never_an_error(
+        gateway: Any, simulator: Any, trace_backend: TraceBackend, sent: dict[str, str]) -> None:
+    sim = await simulator("vllm")
+    gw = await gateway(sim, telemetry=telemetry(trace_backend, trust_client_context=True))
+    assert (await chat(gw, gw.api_key, headers=sent))[0] == 200
+    [(trace_id, _, _)] = await sent_traceparents(sim)
+    headers = (await sim_requests(sim))[0]["headers"]
+    if trace_id != "a" * 32:  # refused: a new root, nothing of the caller's passed on
+        assert "tracestate" not in headers
+    else:  # a valid parent: its tracestate as OpenTelemetry reads it (32 entries at most)
+        assert len(headers.get("tracestate", "")) < 1024
+
+
 async def test_sampling_keeps_errors_and_slow_requests_whatever_the_ratio(
         gateway: Any, simulator: Any, trace_backend: TraceBackend) -> None:
     sim = await simulator("vllm")

@@ -77,6 +77,7 @@ from proxy.styles.anthropic import AnthropicStyle
 from proxy.styles.base import ChatStyle
 from proxy.styles.ollama import OllamaStyle
 from proxy.styles.openai import OpenAIStyle
+from proxy.styles.responses import ResponsesStyle
 from proxy.styles.served import ServedStyle
 from proxy.tasks.run import Runnable
 from proxy.tasks.runner import TaskRunner
@@ -135,6 +136,7 @@ async def _answers(redis: Store) -> bool:
 _NATIVE = "/v2/native"  # where Ollama clients point `host`
 _OPENAI, _SERVED = OpenAIStyle(), ServedStyle()
 _ANTHROPIC, _OLLAMA = AnthropicStyle(), OllamaStyle()
+_RESPONSES = ResponsesStyle()
 _native_chat = chat_route(_OLLAMA)
 
 ROUTES: tuple[Route, ...] = (
@@ -143,6 +145,8 @@ ROUTES: tuple[Route, ...] = (
           _OPENAI),
     Route("POST", "/v2/served/v1/chat/completions", chat_route(_SERVED), docs.SERVED_CHAT,
           _SERVED),
+    Route("POST", "/v2/compat/v1/responses", chat_route(_RESPONSES), docs.RESPONSES_CHAT,
+          _RESPONSES),
     Route("POST", "/v2/messages/v1/messages", chat_route(_ANTHROPIC), docs.MESSAGES_CHAT,
           _ANTHROPIC),
     Route("POST", f"{_NATIVE}/api/chat", _native_chat, docs.NATIVE_CHAT, _OLLAMA),
@@ -368,7 +372,8 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
 # What a queued task's `route` names: the request paths a task can run (proxy.tasks.run).
 RUNNABLE: dict[str, Runnable] = {
     **{family.name: family for family in (TTS, ASR, IMAGE, VIDEO)},
-    **{f"chat:{style.name}": style for style in (_OPENAI, _SERVED, _ANTHROPIC, _OLLAMA)},
+    **{f"chat:{style.name}": style
+       for style in (_OPENAI, _SERVED, _ANTHROPIC, _OLLAMA, _RESPONSES)},
 }
 
 

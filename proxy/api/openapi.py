@@ -273,7 +273,8 @@ def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...],
                     if param["name"] == "provider":
                         param["schema"]["enum"] = list(names)
     schemas["CreateKeyBody"]["properties"]["tier"]["enum"] = list(tiers)
-    for name in ("ChatRequest", "ServedChatRequest", "MessagesRequest", "OllamaChatRequest"):
+    for name in ("ChatRequest", "ServedChatRequest", "ResponsesRequest", "MessagesRequest",
+                 "OllamaChatRequest"):
         if models:
             schemas[name]["properties"]["model"]["examples"] = list(models)
     for item in doc["paths"].values():

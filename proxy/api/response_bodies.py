@@ -264,6 +264,21 @@ class AnthropicMessage(msgspec.Struct, kw_only=True):
     task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
 
 
+class ResponseObject(msgspec.Struct, kw_only=True):
+    """A Responses API `response` (proxy.styles.responses)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    model: str
+    output: Annotated[list[JSONObject], Meta(
+        description="reasoning, message (output_text) and function_call items")]
+    usage: JSONObject | None
+    incomplete_details: JSONObject | None = None
+    task_id: Annotated[str, Meta(description="`direct:<uuid>` or `network:<uuid>`")]
+
+
 class OllamaAnswer(msgspec.Struct, kw_only=True):
     model: str
     created_at: str

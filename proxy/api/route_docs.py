@@ -33,7 +33,7 @@ from proxy.api.doc_types import (
     Response,
 )
 from proxy.api.error_docs import error, errors
-from proxy.api.response_bodies import AnthropicMessage, AsrAnswer, OllamaAnswer
+from proxy.api.response_bodies import AnthropicMessage, AsrAnswer, OllamaAnswer, ResponseObject
 from proxy.api.service_docs import (
     ACCOUNT,
     ACCOUNT_USAGE,
@@ -73,6 +73,7 @@ from proxy.families.tts import TtsRequest
 from proxy.styles.anthropic_schema import MessagesRequest
 from proxy.styles.ollama_schema import OllamaChatRequest
 from proxy.styles.openai_schema import AsyncAccepted, ChatRequest, ChatResponse
+from proxy.styles.responses_schema import ResponsesRequest
 from proxy.styles.served_schema import ServedChatRequest
 
 # Every route's Doc, the gateway's own routes' from service_docs.py.
@@ -111,6 +112,7 @@ __all__ = [
     "OPENAI_TRANSLATIONS",
     "OPENAPI",
     "READYZ",
+    "RESPONSES_CHAT",
     "SERVED_CHAT",
     "TASK",
     "TTS",
@@ -145,6 +147,15 @@ ANTHROPIC_EVENT: Final = _sse_event(
     "A JSON object whose `type` repeats the event's name",
     ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
      "message_delta", "message_stop", "ping", "error"])
+
+RESPONSES_EVENT: Final = _sse_event(
+    "A JSON object whose `type` repeats the event's name, with a `sequence_number`",
+    ["response.created", "response.in_progress", "response.output_item.added",
+     "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+     "response.content_part.done", "response.reasoning_text.delta",
+     "response.reasoning_text.done", "response.function_call_arguments.delta",
+     "response.function_call_arguments.done", "response.output_item.done",
+     "response.completed", "response.incomplete", "response.failed"])
 
 
 def _chat(summary: str, description: str, request: type, family: Family,
@@ -186,6 +197,16 @@ SERVED_CHAT: Final = _chat(
     "reach vLLM backends only. Streams as the compat route does.",
     ServedChatRequest, "gateway", (JSON, SSE), {"model": EXAMPLE_MODEL, "messages": _HELLO},
     extra=_ASYNC,
+)
+RESPONSES_CHAT: Final = _chat(
+    "Responses API (OpenAI-compatible), answered through the chat path",
+    "OpenAI's Responses API: `input` as text or items (messages, function calls and their "
+    "outputs), `instructions`, `max_output_tokens`, function tools. Nothing is stored: "
+    "`previous_response_id` is refused (send the conversation in `input`), `store` is answered "
+    "false. With `stream: true` the answer is the named-event stream the official client "
+    "parses, ending with `response.completed` (or `response.incomplete`, `response.failed`).",
+    ResponsesRequest, "gateway", (JSON, SSE), {"model": EXAMPLE_MODEL, "input": "Hello!"},
+    ok_body=ResponseObject, event=RESPONSES_EVENT, extra=_ASYNC,
 )
 MESSAGES_CHAT: Final = _chat(
     "Chat, Anthropic Messages style",

@@ -1,6 +1,7 @@
-"""The three official clients through the gateway to two real vLLM replicas, streamed and not,
-called as a new user calls them (no completion cap where the client needs none); the journal
-bills exactly the usage the engines report, counted by the engines' own /metrics."""
+"""The three official clients (and OpenAI's Responses API) through the gateway to two real
+vLLM replicas, streamed and not, called as a new user calls them (no completion cap where the
+client needs none); the journal bills exactly the usage the engines report, counted by the
+engines' own /metrics."""
 
 from __future__ import annotations
 
@@ -90,7 +91,27 @@ async def ollama_calls(gw: TestServer, key: str) -> list[tuple[int, int]]:
             (last.prompt_eval_count, last.eval_count)]
 
 
-CLIENTS = {"openai": openai_calls, "anthropic": anthropic_calls, "ollama": ollama_calls}
+async def responses_calls(gw: TestServer, key: str) -> list[tuple[int, int]]:
+    """The Responses API (client.responses), answered through the chat path."""
+    async with openai.AsyncOpenAI(base_url=str(gw.make_url("/v2/compat/v1")), api_key=key,
+                                  max_retries=0) as client:
+        reply = await client.responses.create(model=SERVED, input=HELLO[0]["content"],
+                                              max_output_tokens=24)
+        assert reply.output_text and reply.usage is not None
+        stream = await client.responses.create(model=SERVED, input=HELLO[0]["content"],
+                                               max_output_tokens=24, stream=True)
+        events = [event async for event in stream]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text and final.output_text == text and final.usage is not None
+    return [(reply.usage.input_tokens, reply.usage.output_tokens),
+            (final.usage.input_tokens, final.usage.output_tokens)]
+
+
+CLIENTS = {"openai": openai_calls, "anthropic": anthropic_calls, "ollama": ollama_calls,
+           "responses": responses_calls}
 
 
 @pytest.mark.parametrize("client", sorted(CLIENTS))
@@ -113,3 +134,4 @@ async def test_official_client_streamed_and_not_billed_exactly_the_engines_usage
     for entry in charges:
         exact = entry["prompt_tokens"] * 1000 + entry["completion_tokens"] * 10000
         assert entry["cost"] == -(-exact // 1000)
+

@@ -164,6 +164,8 @@ ROUTES: tuple[Route, ...] = (
           docs.OPENAI_TRANSLATIONS),
     # Beside it.
     Route("GET", "/v2/models", models.list_models, docs.MODELS),
+    # The same list where the OpenAI client's models.list() looks (base_url .../v2/compat/v1).
+    Route("GET", "/v2/compat/v1/models", models.list_models, docs.COMPAT_MODELS),
     Route("GET", "/v2/audio/tts/presets", models.tts_presets, docs.TTS_PRESETS),
     Route("GET", "/v2/tasks/{task_id}", tasks.poll, docs.TASK),
     Route("GET", "/v2/audio/media/{media_key}", tasks.media, docs.MEDIA),

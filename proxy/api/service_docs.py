@@ -59,6 +59,13 @@ MODELS: Final = Doc(
     responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
     tags=("models",),
 )
+COMPAT_MODELS: Final = Doc(
+    summary="List current models (OpenAI client's models.list)",
+    description="`GET /v2/models` where the OpenAI client looks for it with the compat base "
+                "URL (`.../v2/compat/v1`): the same list.",
+    responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
+    tags=("models",),
+)
 TASK: Final = Doc(
     summary="Poll an async task",
     description="The task's owner only (anyone else: 404). `running` until it ends: `completed` "

@@ -193,3 +193,13 @@ async def test_an_async_response_is_polled_as_the_same_response_object(
     assert polled["status"] == "completed" and result["object"] == "response"
     assert result["task_id"] == accepted["task_id"] and result["usage"]["output_tokens"] > 0
     assert result["output"][0]["content"][0]["type"] == "output_text"
+
+
+async def test_the_openai_client_lists_the_models_from_the_compat_base_url(
+        gateway: Any, simulator: Any) -> None:
+    sim = await simulator("vllm")
+    gw = await gateway(sim)
+    async with client(gw, gw.api_key) as c:
+        models = [model async for model in c.models.list()]
+    assert [model.id for model in models] == [MODEL]
+    assert models[0].object == "model"

@@ -12,8 +12,9 @@ completion cap cut it short), and errors in the gateway's (OpenAI's) shape.
   completion's id (and the item's index), so gateway and engine logs correlate.
 - Usage: `input_tokens` (with `input_tokens_details.cached_tokens`, the engine's cached prompt
   tokens), `output_tokens`, `total_tokens`; in the final event of a stream.
-- A stream that fails after its 200 ends with `response.failed` (the response with `status:
-  "failed"` and its `error`), which the client raises on.
+- A stream that fails after its 200 ends with `response.failed`: the response with `status:
+  "failed"` and `error: {code: "server_error", message, type}` (`type` the gateway's error
+  type).
 """
 
 from __future__ import annotations
@@ -212,8 +213,11 @@ class ResponsesEncoder(StreamEncoder):
     def error(self, error: GatewayError) -> bytes:
         out = [] if self._base is not None else self._start(None)
         assert self._base is not None
+        # `code` from the Responses API's closed list (a stream breaks for the server's
+        # reasons only); the gateway's own error type beside it.
         failed = {**self._base, "status": "failed", "output": self._output,
-                  "error": {"code": error.kind.type, "message": error.message}}
+                  "error": {"code": "server_error", "message": error.message,
+                            "type": error.kind.type}}
         out.append(self._event("response.failed", {"response": failed}))
         return b"".join(out)
 

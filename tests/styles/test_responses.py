@@ -203,3 +203,23 @@ async def test_the_openai_client_lists_the_models_from_the_compat_base_url(
         models = [model async for model in c.models.list()]
     assert [model.id for model in models] == [MODEL]
     assert models[0].object == "model"
+
+
+async def test_a_stream_cut_mid_way_ends_failed_and_is_charged_like_chat(
+        gateway: Any, simulator: Any, clean_redis: Any) -> None:
+    sim = await simulator("vllm")
+    gw = await gateway(sim)
+    async with client(gw, gw.api_key) as c:
+        stream = await c.responses.create(model=MODEL, input="Hello", stream=True,
+                                          extra_headers={"x-sim-cut-after": "3"})
+        events = [event async for event in stream]
+    last = events[-1]
+    assert last.type == "response.failed"
+    assert last.response.status == "failed" and last.response.error is not None
+    assert last.response.error.code == "server_error"
+    assert "stream" in last.response.error.message
+    assert any(e.type == "response.output_text.delta" for e in events)  # it had begun
+    await settled(gw)
+    charges = [e for e in await journal(clean_redis.url, "acct-test") if e["type"] == "charge"]
+    assert charges[-1]["status"] == "cut" and charges[-1]["estimated"] is True
+    assert charges[-1]["completion_tokens"] > 0

@@ -259,7 +259,7 @@ async def _observe_ctx(app: web.Application) -> AsyncIterator[None]:
     if config.telemetry is not None:
         from proxy.observe.tracing import Tracing  # the SDK only when tracing is on
 
-        app[TRACING] = Tracing(config.telemetry)
+        app[TRACING] = Tracing(config.telemetry, app[METRICS])
     flusher = asyncio.create_task(flush_metrics(app[METRICS]))
     try:
         yield

@@ -161,6 +161,10 @@ class Metrics:
         self.access_log_dropped = Counter(
             "igw_access_log_dropped", "Access-log lines dropped because its writer fell too far "
             "behind (a disk or pipe slower than the requests).", registry=r)
+        self.trace_spans = Counter(
+            "igw_trace_spans", "Trace spans the exporter sent (`sent`) or gave up on after its "
+            "retries (`failed`: the trace backend refused them or was unreachable).",
+            ("outcome",), registry=r)
         self.settlements_unreplicated = Counter(
             "igw_settlements_unreplicated", "Settlement writes that fewer replicas than "
             "`ledger_ack_replicas` confirmed within a second (a failover then could lose them).",

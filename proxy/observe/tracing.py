@@ -31,7 +31,7 @@ import orjson
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -48,6 +48,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from proxy import __version__
 from proxy.config import TelemetrySection
+from proxy.observe.metrics import Metrics
 from proxy.observe.trace import Spans, Trace, new_span_id
 from proxy.outcome import Outcome
 
@@ -59,7 +60,7 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 class Tracing:
     """The process's exporter and sampler (in `app[TRACING]` when [telemetry] is set)."""
 
-    def __init__(self, settings: TelemetrySection) -> None:
+    def __init__(self, settings: TelemetrySection, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self._ratio = TraceIdRatioBased(settings.sample_ratio)
         self._sampler = ParentBased(self._ratio)
@@ -71,8 +72,9 @@ class Tracing:
         self._scope = InstrumentationScope("inference-gateway", __version__)
         # Small batches: the exporter's thread encodes a batch holding the GIL, and the event
         # loop waits that long (a 512-span batch, the SDK's default, stalled it ~20 ms).
+        exporter = OTLPSpanExporter(endpoint=settings.endpoint, timeout=settings.timeout_s)
         self._processor = BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=settings.endpoint, timeout=settings.timeout_s),
+            _Counted(exporter, metrics) if metrics is not None else exporter,
             schedule_delay_millis=settings.export_every_s * 1000,
             max_export_batch_size=EXPORT_BATCH)
 
@@ -215,6 +217,27 @@ class Tracing:
             }]).decode()
         attributes.update(_usage(trace))
         return attributes
+
+
+class _Counted(SpanExporter):
+    """The OTLP exporter, counting what it sent and what it gave up on (after its own retries)
+    in `igw_trace_spans_total`: a backend that is down shows there, not only in the log."""
+
+    def __init__(self, inner: SpanExporter, metrics: Metrics) -> None:
+        self._inner = inner
+        self._counter = metrics.trace_spans
+
+    def export(self, spans: Any) -> SpanExportResult:
+        result = self._inner.export(spans)
+        ok = result is SpanExportResult.SUCCESS
+        self._counter.labels("sent" if ok else "failed").inc(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._inner.force_flush(timeout_millis)
 
 
 def _usage(trace: Trace) -> dict[str, Any]:

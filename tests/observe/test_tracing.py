@@ -377,3 +377,28 @@ def test_a_streams_finish_reasons_are_read_off_its_bytes() -> None:
     chunks.feed(b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"},'
                 b'{"index":1,"delta":{},"finish_reason": "length"}]}')
     assert chunks.reasons == ["stop", "length"]
+
+
+async def test_the_exporter_counts_what_it_sent_and_what_it_gave_up_on(
+        gateway: Any, simulator: Any, trace_backend: TraceBackend) -> None:
+    sim = await simulator("vllm")
+    up = await gateway(sim, telemetry=telemetry(trace_backend))
+    down = await gateway(sim, telemetry={"endpoint": f"http://127.0.0.1:{free_port()}/v1/traces",
+                                         "export_every_s": 0.1, "timeout_s": 0.5})
+    for gw in (up, down):
+        assert (await chat(gw, gw.api_key))[0] == 200
+
+    async def spans_counted(gw: Any) -> dict[str, float]:
+        async with aiohttp.ClientSession() as session, session.get(gw.make_url("/metrics")) as r:
+            text = await r.text()
+        return {outcome: float(value) for outcome, value in re.findall(
+            r'^igw_trace_spans_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+    counted: dict[str, dict[str, float]] = {}
+    for _ in range(100):  # the down one retries for its timeout, then gives up
+        counted = {"up": await spans_counted(up), "down": await spans_counted(down)}
+        if counted["up"].get("sent", 0) >= 6 and counted["down"].get("failed", 0) >= 6:
+            break
+        await asyncio.sleep(0.1)
+    assert counted["up"].get("sent", 0) >= 6 and not counted["up"].get("failed")
+    assert counted["down"].get("failed", 0) >= 6 and not counted["down"].get("sent")

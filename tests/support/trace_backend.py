@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -340,17 +342,47 @@ class TraceBackend:
 def trace_backend_starting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TraceBackend]:
     """Phoenix launched (installed first if missing), perhaps not ready yet: for a fixture that
     starts processes exporting to it meanwhile, and then calls `wait_ready()` (the real-engine
-    tier's `engines`). A test asks for `trace_backend`."""
-    backend = TraceBackend(tmp_path_factory.mktemp("trace-backend"))
-    try:
-        backend.launch()
-    except TraceBackendError as exc:
-        backend.stop()
-        pytest.fail(f"the trace backend cannot run: {exc}", pytrace=False)
+    tier's `engines`). A test asks for `trace_backend`. Usually launched already, as the session
+    began (`pytest_collection_finish`)."""
+    if _EARLY:
+        backend = _EARLY.pop()
+    else:
+        backend = TraceBackend(tmp_path_factory.mktemp("trace-backend"))
+        try:
+            backend.launch()
+        except TraceBackendError as exc:
+            backend.stop()
+            pytest.fail(f"the trace backend cannot run: {exc}", pytrace=False)
     try:
         yield backend
     finally:
         backend.stop()
+
+
+# Launched when the tests are collected, if any of them needs the backend: its ~12 s start then
+# overlaps the tests that run first. The fixture takes it over; the session's end stops one
+# nobody took (an interrupted run).
+_EARLY: list[TraceBackend] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any("trace_backend_starting" in getattr(item, "fixturenames", ())
+               for item in session.items):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="trace-backend-"))
+    backend = TraceBackend(folder)
+    try:
+        backend.launch()
+    except TraceBackendError:  # the fixture tries again, and fails the tests with the reason
+        backend.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    _EARLY.append(backend)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _EARLY:
+        _EARLY.pop().stop()
 
 
 @pytest.fixture(scope="session")

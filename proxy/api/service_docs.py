@@ -7,6 +7,7 @@ each `Doc`, for the route table.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Final
 
 from proxy.api.account import ENTRY_ID_PATTERN, PAGE_MAX
@@ -59,13 +60,10 @@ MODELS: Final = Doc(
     responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
     tags=("models",),
 )
-COMPAT_MODELS: Final = Doc(
-    summary="List current models (OpenAI client's models.list)",
-    description="`GET /v2/models` where the OpenAI client looks for it with the compat base "
-                "URL (`.../v2/compat/v1`): the same list.",
-    responses={200: Response("Model list", ModelList), **errors("gateway", 401)},
-    tags=("models",),
-)
+COMPAT_MODELS: Final = replace(
+    MODELS, summary="List current models (OpenAI client's models.list)",
+    description="`GET /v2/models` where the OpenAI client looks for it with the compat base URL "
+                "(`.../v2/compat/v1`): the same list.")
 TASK: Final = Doc(
     summary="Poll an async task",
     description="The task's owner only (anyone else: 404). `running` until it ends: `completed` "

@@ -140,7 +140,8 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
                                       headers, result, max_s=ctx.upstreams.settings.max_stream_s)
         completion = wire.fix_response(await read_completion(upstream), backend.spec.kind,
                                        call.model)
-        trace.finish_reasons = wire.finish_reasons(completion)
+        if trace.spans is not None:  # only a trace reads them
+            trace.finish_reasons = wire.finish_reasons(completion)
         if capture:
             trace.answer = wire.first_text(completion)
         body = orjson.dumps(style.response(completion, call, task_id, mode))  # may refuse: 502

@@ -244,10 +244,10 @@ class Metrics:
             self.observe(self.child(self.first_token, route, model), trace.first_byte_s)
         if trace.spans is not None and trace.spans.kept:  # its trace was exported: link to it
             trace_id = f"{trace.spans.trace_id:032x}"
-            self._exemplar("igw_request_duration_seconds", LATENCY_BUCKETS, zip(
+            self._exemplar(self.duration, "igw_request_duration_seconds", zip(
                 ("route", "model", "tier", "status"), values, strict=True), seconds, trace_id)
             if trace.first_byte_s is not None:
-                self._exemplar("igw_time_to_first_token_seconds", FIRST_TOKEN_BUCKETS,
+                self._exemplar(self.first_token, "igw_time_to_first_token_seconds",
                                (("route", route), ("model", model)), trace.first_byte_s,
                                trace_id)
         if trace.outcome is not None:
@@ -259,11 +259,10 @@ class Metrics:
             elif status in _DENIED:
                 self.add(self.child(self.denied, tier, trace.error))
 
-    def _exemplar(self, histogram: str, buckets: Sequence[float],
-                  labels: Iterable[tuple[str, str]], value: float, trace_id: str) -> None:
-        bounds = bucket_bounds(buckets)
-        self.exemplars.note(histogram, labels, bounds[bisect_left(bounds, value)], trace_id,
-                            value)
+    def _exemplar(self, metric: Histogram, name: str, labels: Iterable[tuple[str, str]],
+                  value: float, trace_id: str) -> None:
+        bounds = self._histogram_bounds[id(metric)]  # the bucket `observe` counted it in
+        self.exemplars.note(name, labels, bounds[bisect_left(bounds, value)], trace_id, value)
 
     def upstream_started(self, backend: str) -> str:
         """An exchange with `backend` begins; returns its label value for the calls below."""

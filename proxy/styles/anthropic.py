@@ -31,7 +31,7 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.http.sse import frame
 from proxy.styles.anthropic_schema import TOOL_ID_PREFIX, MessagesRequest, to_openai, usage_rules
 from proxy.styles.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.styles.wire import parse_chunk
+from proxy.styles.wire import first_choice, parse_chunk, reasoning_text, token_count
 from proxy.validate import validate_with
 
 JsonObj = dict[str, Any]
@@ -144,41 +144,23 @@ def tool_input(arguments: object) -> JsonObj:
     return value if isinstance(value, dict) else {"raw_arguments": arguments}
 
 
-def _count(usage: object, name: str) -> int | None:
-    value = usage.get(name) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _input(usage: object) -> tuple[int, int] | None:
     """(`input_tokens`, `cache_read_input_tokens`) from OpenAI-style usage; None if unknown."""
-    prompt = _count(usage, "prompt_tokens")
+    prompt = token_count(usage, "prompt_tokens")
     if prompt is None:
         return None
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = min(max(_count(details, "cached_tokens") or 0, 0), prompt)
+    cached = min(max(token_count(details, "cached_tokens") or 0, 0), prompt)
     return prompt - cached, cached
-
-
-def _first_choice(choices: object) -> JsonObj:
-    """Choice 0: Anthropic has no `n`."""
-    for choice in choices if isinstance(choices, list) else ():
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            return choice
-    return {}
-
-
-def _reasoning(message: JsonObj) -> str:
-    text = message.get("reasoning") or message.get("reasoning_content")
-    return text if isinstance(text, str) else ""
 
 
 def to_message(completion: JsonObj, model: str, stop_sequences: Sequence[str]) -> JsonObj:
     """An Anthropic Message for a finished OpenAI chat completion."""
-    choice = _first_choice(completion.get("choices"))
+    choice = first_choice(completion.get("choices"))
     message = choice.get("message")
     message = message if isinstance(message, dict) else {}
     content: list[JsonObj] = []
-    if reasoning := _reasoning(message):
+    if reasoning := reasoning_text(message):
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     text = message.get("content")
     if isinstance(text, str) and text:
@@ -201,7 +183,7 @@ def to_message(completion: JsonObj, model: str, stop_sequences: Sequence[str]) -
         "id": message_id(completion.get("id")), "type": "message", "role": "assistant",
         "model": model, "content": content, "stop_reason": reason, "stop_sequence": sequence,
         "usage": {"input_tokens": fresh,
-                  "output_tokens": _count(usage, "completion_tokens") or 0,
+                  "output_tokens": token_count(usage, "completion_tokens") or 0,
                   "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached},
     }
 
@@ -241,10 +223,10 @@ class AnthropicEncoder(StreamEncoder):
     def chunk(self, data: bytes) -> bytes:
         chunk = parse_chunk(data)
         out = [] if self._started else [self._start(chunk.get("id"))]
-        choice = _first_choice(chunk.get("choices"))
+        choice = first_choice(chunk.get("choices"))
         delta = choice.get("delta")
         delta = delta if isinstance(delta, dict) else {}
-        if reasoning := _reasoning(delta):
+        if reasoning := reasoning_text(delta):
             out += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                {"type": "thinking_delta", "thinking": reasoning})
         text = delta.get("content")
@@ -265,7 +247,7 @@ class AnthropicEncoder(StreamEncoder):
         out.append(self._close())
         reason, sequence = stop_reason(self._finish, self._matched, bool(self._tools),
                                        self._stops)
-        output = _count(usage, "completion_tokens")
+        output = token_count(usage, "completion_tokens")
         counts: JsonObj = {"output_tokens": self._deltas if output is None else output}
         if (prompt := _input(usage)) is not None:
             counts["input_tokens"], counts["cache_read_input_tokens"] = prompt

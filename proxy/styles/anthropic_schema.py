@@ -41,7 +41,7 @@ import msgspec
 import orjson
 from msgspec import Meta
 
-from proxy.styles.openai_schema import JSON_INT_MAX, STREAM_RULES, Mode, Tokens
+from proxy.styles.openai_schema import JSON_INT_MAX, STREAM_RULES, Mode, Tokens, stream_faults
 
 __all__ = [
     "Block",
@@ -255,11 +255,7 @@ def _url_faults(block: object, loc: list[str | int]) -> list[dict[str, object]]:
 
 def usage_rules(req: MessagesRequest) -> list[dict[str, object]]:
     """Rules across fields (same wording as the compat route's): 422 items, [] when none."""
-    faults: list[dict[str, object]] = []
-    if req.stream and req.async_:
-        faults.append(_fault(["stream"], "stream cannot be combined with async"))
-    if req.stream and req.mode == "network":
-        faults.append(_fault(["stream"], "stream is only available in direct mode"))
+    faults: list[dict[str, object]] = [*stream_faults(req.stream, req.async_, req.mode)]
     for i, message in enumerate(req.messages):
         if isinstance(message.content, str):
             continue

@@ -36,6 +36,7 @@ __all__ = [
     "Tool",
     "ToolChoice",
     "chat_usage_rules",
+    "stream_faults",
     "validate_chat",
 ]
 
@@ -228,14 +229,21 @@ def validate_chat(body: object) -> ChatRequest:
     return validate_with(body, ChatRequest, chat_usage_rules)
 
 
+def stream_faults(stream: bool | None, async_: bool | None, mode: str | None
+                  ) -> list[ErrorItem]:
+    """STREAM_RULES, as the usage rules of every chat style say them."""
+    faults: list[ErrorItem] = []
+    if stream and async_:
+        faults.append(value_error(("body", "stream"), "stream cannot be combined with async"))
+    if stream and mode == "network":
+        faults.append(value_error(("body", "stream"), "stream is only available in direct mode"))
+    return faults
+
+
 def chat_usage_rules(req: ChatRequest) -> list[ErrorItem]:
     """Cross-field rules of the spec and DESIGN §6, which msgspec types cannot express; the
     Structs' `json_schema_rules` state the same rules in the OpenAPI document."""
-    faults: list[ErrorItem] = []
-    if req.stream and req.async_:
-        faults.append(value_error(("body", "stream"), "stream cannot be combined with async"))
-    if req.stream and req.mode == "network":
-        faults.append(value_error(("body", "stream"), "stream is only available in direct mode"))
+    faults = stream_faults(req.stream, req.async_, req.mode)
     if req.top_logprobs is not None and req.logprobs is not True:
         faults.append(value_error(("body", "top_logprobs"),
                                    "top_logprobs requires logprobs: true"))

@@ -27,8 +27,8 @@ import orjson
 from proxy.errors import GatewayError
 from proxy.http.sse import frame
 from proxy.styles.base import ChatCall, ChatStyle, StreamEncoder
-from proxy.styles.responses_schema import ResponsesRequest, arguments_text, to_openai, usage_rules
-from proxy.styles.wire import parse_chunk
+from proxy.styles.responses_schema import ResponsesRequest, to_openai, usage_rules
+from proxy.styles.wire import first_choice, parse_chunk, reasoning_text, token_count
 from proxy.validate import validate_with
 
 JsonObj = dict[str, Any]
@@ -48,11 +48,11 @@ class ResponsesStyle(ChatStyle):
     def response(self, completion: dict[str, Any], call: ChatCall, task_id: str, mode: str
                  ) -> dict[str, Any]:
         base = _base(completion.get("id"), call, task_id)
-        choice = _first_choice(completion.get("choices"))
+        choice = first_choice(completion.get("choices"))
         message = choice.get("message")
         message = message if isinstance(message, dict) else {}
         output: list[JsonObj] = []
-        if reasoning := _reasoning(message):
+        if reasoning := reasoning_text(message):
             output.append(_reasoning_item(base["id"], reasoning))
         text = message.get("content")
         if isinstance(text, str) and text:
@@ -112,29 +112,19 @@ def _finished(base: JsonObj, output: list[JsonObj], finish: object, usage: objec
 def _usage(usage: object) -> JsonObj | None:
     if not isinstance(usage, dict):
         return None
-    prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = _count(details, "cached_tokens") if isinstance(details, dict) else 0
+    prompt = token_count(usage, "prompt_tokens") or 0
+    completion = token_count(usage, "completion_tokens") or 0
+    cached = token_count(usage.get("prompt_tokens_details"), "cached_tokens") or 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
 
-def _count(usage: object, name: str) -> int:
-    value = usage.get(name) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _first_choice(choices: object) -> JsonObj:
-    for choice in choices if isinstance(choices, list) else ():
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            return choice
-    return {}
-
-
-def _reasoning(message: JsonObj) -> str:
-    text = message.get("reasoning") or message.get("reasoning_content")
-    return text if isinstance(text, str) else ""
+def arguments_text(arguments: object) -> str:
+    """A tool call's arguments as the Responses API carries them: JSON text."""
+    if isinstance(arguments, str):
+        return arguments
+    return orjson.dumps(arguments if arguments is not None else {}).decode()
 
 
 def _suffix(response_id: str) -> str:
@@ -184,10 +174,10 @@ class ResponsesEncoder(StreamEncoder):
     def chunk(self, data: bytes) -> bytes:
         chunk = parse_chunk(data)
         out = [] if self._base is not None else self._start(chunk.get("id"))
-        choice = _first_choice(chunk.get("choices"))
+        choice = first_choice(chunk.get("choices"))
         delta = choice.get("delta")
         delta = delta if isinstance(delta, dict) else {}
-        if reasoning := _reasoning(delta):
+        if reasoning := reasoning_text(delta):
             out += self._reasoning(reasoning)
         text = delta.get("content")
         if isinstance(text, str) and text:

@@ -28,10 +28,10 @@ Decisions:
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-import orjson
 from msgspec import Meta
 
-from proxy.styles.openai_schema import STREAM_RULES, Mode, Tokens
+from proxy.styles.openai_schema import STREAM_RULES, Mode, Tokens, stream_faults
+from proxy.validate import value_error
 
 __all__ = [
     "FunctionTool",
@@ -177,21 +177,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True,
     ]}
 
 
-def _fault(loc: list[str | int], text: str) -> dict[str, object]:
-    return {"loc": ["body", *loc], "msg": f"Value error, {text}", "type": "value_error"}
-
-
 def usage_rules(req: ResponsesRequest) -> list[dict[str, object]]:
     """Rules across fields (the other chat routes' wording): 422 items, [] when none."""
-    faults: list[dict[str, object]] = []
-    if req.stream and req.async_:
-        faults.append(_fault(["stream"], "stream cannot be combined with async"))
-    if req.stream and req.mode == "network":
-        faults.append(_fault(["stream"], "stream is only available in direct mode"))
+    faults: list[dict[str, object]] = [*stream_faults(req.stream, req.async_, req.mode)]
     if req.previous_response_id is not None:
-        faults.append(_fault(["previous_response_id"], _REFUSED_PREVIOUS))
+        faults.append(value_error(("body", "previous_response_id"), _REFUSED_PREVIOUS))
     if req.tool_choice not in (None, "none", "auto") and not req.tools:
-        faults.append(_fault(["tool_choice"], "tool_choice needs tools"))
+        faults.append(value_error(("body", "tool_choice"), "tool_choice needs tools"))
     for i, item in enumerate(req.input if isinstance(req.input, list) else ()):
         kind = item.type or "message"
         wanted = {"message": ("role", "content"),
@@ -278,9 +270,3 @@ def _content(content: str | list[Part] | None, role: str | None) -> object:
             if isinstance(part, InputImage) else {"type": "text", "text": part.text}
             for part in content]
 
-
-def arguments_text(arguments: object) -> str:
-    """A tool call's arguments as the Responses API carries them: JSON text."""
-    if isinstance(arguments, str):
-        return arguments
-    return orjson.dumps(arguments if arguments is not None else {}).decode()

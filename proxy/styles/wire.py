@@ -226,14 +226,31 @@ def finish_reasons(completion: dict[str, Any]) -> list[str]:
             if isinstance(choice, dict) and choice.get("finish_reason") is not None]
 
 
+def first_choice(choices: object) -> dict[str, Any]:
+    """Choice 0 of a completion or chunk (the styles without `n` answer that one)."""
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return {}
+
+
+def reasoning_text(message: dict[str, Any]) -> str:
+    """A message's or delta's reasoning (vLLM's `reasoning`, or the older `reasoning_content`)."""
+    text = message.get("reasoning") or message.get("reasoning_content")
+    return text if isinstance(text, str) else ""
+
+
+def token_count(usage: object, name: str) -> int | None:
+    """One count of an OpenAI-style `usage` object; None when absent or not an integer."""
+    value = usage.get(name) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def first_text(completion: dict[str, Any]) -> list[str]:
     """A whole completion's first choice's text (a trace that captures content)."""
-    for choice in completion.get("choices") or ():
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            message = choice.get("message")
-            content = message.get("content") if isinstance(message, dict) else None
-            return [content] if isinstance(content, str) else []
-    return []
+    message = first_choice(completion.get("choices")).get("message")
+    content = message.get("content") if isinstance(message, dict) else None
+    return [content] if isinstance(content, str) else []
 
 
 # A delta that carries generated text or a tool call (a role-only or empty chunk does not).

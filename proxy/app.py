@@ -60,6 +60,7 @@ from proxy.credits.ledger import Ledger
 from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
 from proxy.credits.webhooks import Sender
+from proxy.families.embeddings import EMBEDDINGS
 from proxy.families.providers import IMAGE, VIDEO
 from proxy.families.speech import OPENAI_SPEECH, TTS
 from proxy.families.transcription import ASR, OPENAI_TRANSCRIPTIONS, OPENAI_TRANSLATIONS
@@ -162,6 +163,7 @@ ROUTES: tuple[Route, ...] = (
           docs.OPENAI_TRANSCRIPTIONS),
     Route("POST", "/v2/compat/v1/audio/translations", task_route(OPENAI_TRANSLATIONS),
           docs.OPENAI_TRANSLATIONS),
+    Route("POST", "/v2/compat/v1/embeddings", task_route(EMBEDDINGS), docs.EMBEDDINGS),
     # Beside it.
     Route("GET", "/v2/models", models.list_models, docs.MODELS),
     # The same list where the OpenAI client's models.list() looks (base_url .../v2/compat/v1).

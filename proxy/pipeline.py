@@ -1,6 +1,6 @@
 """The request path of every route that runs a model: `chat` (every chat style) and `task`
-(speech synthesis, speech recognition, image and video), each in one function; and `queued`,
-the same path's second half for an async task, run by whichever worker takes it.
+(speech synthesis, speech recognition, image, video and embeddings), each in one function; and
+`queued`, the same path's second half for an async task, run by whichever worker takes it.
 
     auth (401) -> parse + validate (400/413/415/422) -> model (404), its engines' context (422)
     + tier access (403) + the tier's queue budget (503 pool_saturated) -> admission: rate
@@ -191,9 +191,10 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
 
 
 async def task(request: web.Request, family: Family) -> web.StreamResponse:
-    """A speech, transcription, image or video request, start to finish: the chat path's order
-    (auth, parse, model, access, admission: limit + hold of the worst case), then the family
-    runs it (proxy.families) and the settlement charges the units it used."""
+    """A speech, transcription, image, video or embeddings request, start to finish: the chat
+    path's order (auth, parse, model, access, admission: limit + hold of the worst case, input
+    tokens in the token limits), then the family runs it (proxy.families) and the settlement
+    charges the units it used."""
     app = request.app
     snapshot = app[LIVE].current  # one policy version for the whole request
     policies = snapshot.policies
@@ -225,7 +226,8 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
 
     ctx = _ctx(request, policies, principal)
     meter = app[METERING].units(policies.prices, principal, pool.model, mode, family.name,
-                                ctx.request_id, job.worst)
+                                ctx.request_id, job.worst, snapshot.token_windows.of(
+                                    principal.tier, tier, policies.tiers.group_of(pool.model)))
     result = Result()
     response: web.StreamResponse | None = None
     claimed = False

@@ -13,11 +13,11 @@ import orjson
 from aiohttp import web
 
 from proxy.appkeys import CONFIG, LIVE, ROUTER
-from proxy.config import FAMILY_OF_KIND, VOICE_PRESETS, BackendSpec, ModelPrice, Rates
+from proxy.config import VOICE_PRESETS, BackendSpec, ModelPrice, Rates
 from proxy.policy.tiers import denial
 
 SOURCE_OF_FAMILY = {"chat": "compat", "asr": "audio", "tts": "audio", "image": "image",
-                    "video": "video"}
+                    "video": "video", "embed": "compat"}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -32,7 +32,7 @@ async def list_models(request: web.Request) -> web.Response:
     live = {b.name: b.available for b in router.backends}
     data = []
     for model, specs in sorted(backends.items()):
-        family = FAMILY_OF_KIND[specs[0].kind]
+        family = specs[0].serves
         rates = policies.prices.models.get(model, policies.prices.default)
         modes = router.modes(model) or ["direct"]
         data.append({

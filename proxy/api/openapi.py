@@ -233,8 +233,9 @@ async def document(request: web.Request) -> web.Response:
     router = app[appkeys.ROUTER]
     body = _live(app[appkeys.OPENAPI](), tiers, tuple(router.chat_models),
                  tuple(router.models("tts")), tuple(router.models("asr")),
+                 tuple(router.models("embed")),
                  Limits(caps.tts.max_characters, caps.generation.max_images,
-                        caps.generation.max_video_s),
+                        caps.generation.max_video_s, caps.embed.max_inputs),
                  (tuple(router.providers("image")), tuple(router.providers("video"))))
     return web.Response(body=body, content_type=JSON)
 
@@ -245,11 +246,13 @@ class Limits(NamedTuple):
     tts_characters: int
     images: int
     video_s: int
+    embed_inputs: int
 
 
 @lru_cache(maxsize=8)
 def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...],
-          speech_models: tuple[str, ...], asr_models: tuple[str, ...], limits: Limits,
+          speech_models: tuple[str, ...], asr_models: tuple[str, ...],
+          embed_models: tuple[str, ...], limits: Limits,
           providers: tuple[tuple[str, ...], tuple[str, ...]]) -> bytes:
     """The built document with the tiers keys may be issued for, the models and providers
     served, and this gateway's own request limits."""
@@ -263,6 +266,15 @@ def _live(base: bytes, tiers: tuple[str, ...], models: tuple[str, ...],
         form = doc["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]
         if asr_models:
             form["schema"]["properties"]["model"]["examples"] = list(asr_models)
+    embeddings = schemas["EmbeddingsRequest"]
+    for branch in embeddings["allOf"][0]["properties"]["input"]["anyOf"]:
+        if "maxItems" in branch:
+            branch["maxItems"] = limits.embed_inputs
+    if embed_models:
+        embeddings["properties"]["model"]["examples"] = list(embed_models)
+        example = doc["paths"]["/v2/compat/v1/embeddings"]["post"]["requestBody"]["content"][
+            JSON]["example"]
+        example["model"] = embed_models[0]
     _set_maximum(schemas["ImageRequest"]["properties"]["n"], limits.images)
     for name in ("seconds", "duration"):
         _set_maximum(schemas["VideoRequest"]["properties"][name], limits.video_s)

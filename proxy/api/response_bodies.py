@@ -313,3 +313,26 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     error: Annotated[TaskError | None, Meta(description="failed: why")] = None
     created_at: int
     updated_at: int
+
+
+class EmbeddingItem(msgspec.Struct, kw_only=True):
+    object: Literal["embedding"]
+    embedding: Annotated[list[float] | str, Meta(
+        description="The vector; with encoding_format base64, its little-endian float32 bytes "
+                    "in base64")]
+    index: Annotated[int, Meta(ge=0, description="Which input it is for")]
+
+
+class EmbeddingsUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: Annotated[int, Meta(ge=0, description="Input tokens, as the server counted "
+                                                         "them; what is charged")]
+    total_tokens: Annotated[int, Meta(ge=0)]
+
+
+class EmbeddingsAnswer(msgspec.Struct, kw_only=True):
+    """OpenAI's CreateEmbeddingResponse."""
+
+    object: Literal["list"]
+    data: list[EmbeddingItem]
+    model: str
+    usage: EmbeddingsUsage

@@ -33,7 +33,13 @@ from proxy.api.doc_types import (
     Response,
 )
 from proxy.api.error_docs import error, errors
-from proxy.api.response_bodies import AnthropicMessage, AsrAnswer, OllamaAnswer, ResponseObject
+from proxy.api.response_bodies import (
+    AnthropicMessage,
+    AsrAnswer,
+    EmbeddingsAnswer,
+    OllamaAnswer,
+    ResponseObject,
+)
 from proxy.api.service_docs import (
     ACCOUNT,
     ACCOUNT_USAGE,
@@ -68,6 +74,7 @@ from proxy.api.service_docs import (
 from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
 from proxy.credits.idempotency import MAX_KEY_LENGTH
 from proxy.families.asr import LANGUAGE_PATTERN, AsrRequest
+from proxy.families.embed import EmbeddingsRequest
 from proxy.families.generation import ImageRequest, VideoRequest
 from proxy.families.openai_audio import SpeechRequest
 from proxy.families.tts import TtsRequest
@@ -97,6 +104,7 @@ __all__ = [
     "ASR",
     "COMPAT_CHAT",
     "COMPAT_MODELS",
+    "EMBEDDINGS",
     "HEALTHZ",
     "IMAGE",
     "MEDIA",
@@ -338,3 +346,17 @@ OPENAI_TRANSCRIPTIONS: Final = _openai_transcription(
     "transcribe", "Speech to text, OpenAI style (`client.audio.transcriptions.create`)")
 OPENAI_TRANSLATIONS: Final = _openai_transcription(
     "translate", "Speech to English text, OpenAI style (`client.audio.translations.create`)")
+
+
+EMBEDDINGS: Final = _task(
+    "Embeddings, OpenAI style (`client.embeddings.create`)",
+    "Vectors for a text, a list of texts, a list of token ids or a list of token-id lists, "
+    "from vLLM embedding models or text-embeddings-inference servers, in the order of the "
+    "inputs. `encoding_format: base64` (what the OpenAI client asks for) sends each vector as "
+    "little-endian float32 bytes; `dimensions` shortens vectors of models trained for it. "
+    "Charged per input token as the server counted them (`usage.prompt_tokens`, the prompt "
+    "price in prices.toml) and counted in the tier's token limits. Direct mode only.",
+    Response("The vectors", EmbeddingsAnswer, JSON, _TASK_HEADERS),
+    EmbeddingsRequest, {"model": "acme/embed-small", "input": ["Hello there.", "Goodbye."]},
+    "embeddings", async_ok=False,
+)

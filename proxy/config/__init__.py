@@ -42,6 +42,7 @@ from proxy.config.policies import (
     Bytes,
     ChatRequestPolicy,
     ClientsPolicy,
+    EmbedRequestPolicy,
     FetchPolicy,
     GenerationRequestPolicy,
     JwtPolicy,
@@ -65,6 +66,7 @@ from proxy.config.policies import (
 )
 from proxy.config.vocabulary import (
     CHAT_KINDS,
+    EMBED_KINDS,
     FAMILY_OF_KIND,
     VOICE_PRESETS,
     BackendKind,
@@ -79,6 +81,7 @@ from proxy.config.vocabulary import (
 __all__ = [
     "ANY_GROUP",
     "CHAT_KINDS",
+    "EMBED_KINDS",
     "FAMILY_OF_KIND",
     "POLICY_FILES",
     "STANDARD_GROUP",
@@ -94,6 +97,7 @@ __all__ = [
     "ClientsPolicy",
     "Config",
     "ConfigError",
+    "EmbedRequestPolicy",
     "Family",
     "FetchPolicy",
     "GatewaySection",

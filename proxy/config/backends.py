@@ -9,7 +9,16 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from proxy.config.vocabulary import BackendKind, Mode, NonEmpty, Port, Seconds, Section
+from proxy.config.vocabulary import (
+    FAMILY_OF_KIND,
+    BackendKind,
+    Family,
+    Mode,
+    NonEmpty,
+    Port,
+    Seconds,
+    Section,
+)
 
 
 def _direct_only() -> list[Mode]:
@@ -122,6 +131,18 @@ class BackendSpec(Section, frozen=True):
     # /v2/video/<provider>/t2v that this backend serves (default: its name).
     provider: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None \
         = None
+    # kinds "vllm" and "openai": what its models are for, "chat" (the default) or "embed" (an
+    # embedding model: vLLM started with `--runner pooling`); kind "tei" serves "embed" only.
+    family: Family | None = None
+    # Embeddings: the most inputs the server takes in one request; more are sent in batches
+    # of this many. Unset: for kind "tei" what its /info says (--max-client-batch-size, 32 by
+    # default), no limit for the others.
+    max_batch_inputs: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+
+    @property
+    def serves(self) -> Family:
+        """The task family its models are for."""
+        return self.family or FAMILY_OF_KIND[self.kind]
 
 
 class HealthSection(Section, frozen=True):

@@ -17,7 +17,7 @@ from proxy.config.policies import (
     PricesPolicy,
     TiersPolicy,
 )
-from proxy.config.vocabulary import FAMILY_OF_KIND, VOICE_PRESETS
+from proxy.config.vocabulary import EMBED_KINDS, FAMILY_OF_KIND, VOICE_PRESETS
 from proxy.headers import NEVER_FORWARDED
 
 
@@ -54,8 +54,16 @@ def _check_modes(backend: BackendSpec, where: str) -> list[str]:
     problems = []
     if len(set(backend.modes)) != len(backend.modes):
         problems.append(f"{where}.modes: lists a mode twice")
-    if "network" in backend.modes and FAMILY_OF_KIND[backend.kind] == "asr":
+    if "network" in backend.modes and backend.serves == "asr":
         problems.append(f"{where}.modes: speech recognition is direct-only (DESIGN §6)")
+    if "network" in backend.modes and backend.serves == "embed":
+        problems.append(f"{where}.modes: embeddings are direct-only (no two engines' vectors "
+                        "are equal to compare)")
+    own = FAMILY_OF_KIND[backend.kind]
+    if backend.family not in (None, own) and not (
+            backend.family == "embed" and backend.kind in EMBED_KINDS):
+        problems.append(f"{where}.family: a {backend.kind!r} backend serves {own!r}"
+                        + (" or 'embed'" if backend.kind in EMBED_KINDS else ""))
     return problems
 
 
@@ -115,7 +123,7 @@ def check_network_pools(specs: list[BackendSpec], network: NetworkPolicy) -> lis
 
 def check_routing(backends: BackendsFile) -> list[str]:
     """A per-model pick must name a chat model some backend serves (a typo would do nothing)."""
-    chat = {m for s in backends.backends if FAMILY_OF_KIND[s.kind] == "chat" for m in s.models}
+    chat = {m for s in backends.backends if s.serves == "chat" for m in s.models}
     return [f"backends.toml: routing.models: {model!r} is not a chat model of any backend"
             for model in backends.routing.models if model not in chat]
 

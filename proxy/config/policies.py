@@ -71,6 +71,16 @@ class GenerationRequestPolicy(Section, frozen=True):
     max_media_bytes: Bytes = 256 * 1024 * 1024  # largest answer a provider may send
 
 
+class EmbedRequestPolicy(Section, frozen=True):
+    """Embeddings (`/v2/compat/v1/embeddings`)."""
+
+    max_body_bytes: Bytes = 2 * 1024 * 1024
+    # Texts (or token lists) in one request; OpenAI's own limit is 2,048. A server that takes
+    # fewer at once (backends.toml `max_batch_inputs`) gets them in batches.
+    max_inputs: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 2048
+    max_answer_bytes: Bytes = 256 * 1024 * 1024  # largest answer a server may send
+
+
 class TasksPolicy(Section, frozen=True):
     """Async tasks (`async: true`): the queue every worker runs, the results it keeps."""
 
@@ -118,6 +128,7 @@ class RequestsPolicy(Section, frozen=True):
     asr: AsrRequestPolicy = AsrRequestPolicy()
     fetch: FetchPolicy = FetchPolicy()
     generation: GenerationRequestPolicy = GenerationRequestPolicy()
+    embed: EmbedRequestPolicy = EmbedRequestPolicy()
     tasks: TasksPolicy = TasksPolicy()
     network: NetworkPolicy = NetworkPolicy()
 
@@ -218,7 +229,7 @@ class TierPolicy(TokenLimits, frozen=True, kw_only=True):
     headroom: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.0
 
 
-_ALL_FAMILIES: list[Family] = ["chat", "tts", "asr", "image", "video"]
+_ALL_FAMILIES: list[Family] = ["chat", "tts", "asr", "image", "video", "embed"]
 _BOTH_MODES: list[Mode] = ["direct", "network"]
 
 
@@ -231,10 +242,10 @@ def _default_tiers() -> dict[str, TierPolicy]:
                             models={ANY_GROUP: _BOTH_MODES}, max_tokens_per_request=512,
                             tokens_per_minute=6_000, tokens_per_day=60_000,
                             fallback_requests_per_minute=1, priority=0, max_queue_wait_s=2),
-        "basic": TierPolicy(requests_per_minute=20, families=["chat", "tts", "asr"],
+        "basic": TierPolicy(requests_per_minute=20, families=["chat", "tts", "asr", "embed"],
                             models=basic, tokens_per_minute=100_000,
                             tokens_per_day=1_000_000, priority=1, max_queue_wait_s=5),
-        "pro": TierPolicy(requests_per_minute=60, families=["chat", "tts", "asr", "image"],
+        "pro": TierPolicy(requests_per_minute=60, families=["chat", "tts", "asr", "image", "embed"],
                           models=pro, priority=2, max_queue_wait_s=15),
         "max": TierPolicy(requests_per_minute=130, families=_ALL_FAMILIES,
                           models={**pro, "large-chat": _BOTH_MODES}, priority=3,

@@ -8,9 +8,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
-BackendKind = Literal["tgi", "vllm", "openai", "ollama", "whisper", "tts", "image", "video"]
+BackendKind = Literal["tgi", "vllm", "openai", "ollama", "whisper", "tts", "image", "video",
+                      "tei"]
 
-Family = Literal["chat", "tts", "asr", "image", "video"]
+Family = Literal["chat", "tts", "asr", "image", "video", "embed"]
 # How a request is run (DESIGN §6 "Modes"): on one backend of the model's direct pool, or
 # redundantly on several of its network pool, the answer a quorum agrees on returned.
 Mode = Literal["direct", "network"]
@@ -20,7 +21,11 @@ Mode = Literal["direct", "network"]
 CHAT_KINDS: frozenset[str] = frozenset({"tgi", "vllm", "openai", "ollama"})
 FAMILY_OF_KIND: dict[str, Family] = {
     "tgi": "chat", "vllm": "chat", "openai": "chat", "ollama": "chat",
-    "whisper": "asr", "tts": "tts", "image": "image", "video": "video"}
+    "whisper": "asr", "tts": "tts", "image": "image", "video": "video", "tei": "embed"}
+# Kinds that may serve an embedding model instead of chat (`family = "embed"`): vLLM with
+# `--runner pooling`, OpenAI's /v1/embeddings. Text-embeddings-inference ("tei") serves nothing
+# else.
+EMBED_KINDS: frozenset[str] = frozenset({"vllm", "openai", "tei"})
 # The spec's TTS voice presets (what `preset_voice` may name).
 VOICE_PRESETS = ("Alice", "Avery", "Brock", "Chloe", "Ella", "Emma", "Grace", "Karen", "Kevin",
                  "Lucas", "Matt", "William")

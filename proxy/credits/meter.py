@@ -127,11 +127,16 @@ class Metering:
         return meter
 
     def units(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
-              route: str, request_id: str, worst: Units) -> Meter:
-        """A speech, transcription, image or video request's meter: charged per unit used."""
+              route: str, request_id: str, worst: Units,
+              windows: tuple[TokenWindow, ...] = ()) -> Meter:
+        """A speech, transcription, image, video or embeddings request's meter: charged per
+        unit used; input tokens (embeddings) are reserved in the token `windows` as well."""
         rates = prices.for_model(model, mode)
-        return self._open(prices, rates, principal, model, mode, route, request_id,
-                          units_cost(rates, worst), None)
+        meter = self._open(prices, rates, principal, model, mode, route, request_id,
+                           units_cost(rates, worst), None)
+        if worst.prompt_tokens:
+            meter.windows, meter.worst = windows, ChatUsage(worst.prompt_tokens, 0)
+        return meter
 
     def resume(self, prices: PricesPolicy, principal: Principal, model: str, mode: str,
                details: dict[str, Any], hold: Hold | None, body: dict[str, Any] | None
@@ -171,8 +176,8 @@ class Meter:
     hold: Hold | None  # None for guests
     chat_body: dict[str, Any] | None  # chat: priced by tokens (the body bounds a cut prompt)
     stage: Stage = Stage.BEFORE
-    windows: tuple[TokenWindow, ...] = ()  # chat: the token windows it counts in
-    worst: ChatUsage | None = None  # chat: what it reserves in them
+    windows: tuple[TokenWindow, ...] = ()  # chat, embeddings: the token windows it counts in
+    worst: ChatUsage | None = None  # chat, embeddings: what it reserves in them
     started: float = field(default_factory=time.monotonic)
     charged: tuple[int, dict[str, int]] | None = None  # (cost, units) of the settlement queued
     _settled: bool = False

@@ -225,10 +225,11 @@ def _texts(body: dict[str, Any]) -> Iterable[str]:
 
 @dataclass(frozen=True, slots=True)
 class Units:
-    """What a speech, transcription, image or video request used (or may use, for its hold).
-    Seconds are kept as milliseconds so the ledger stays in integers."""
+    """What a speech, transcription, image, video or embeddings request used (or may use, for
+    its hold). Seconds are kept as milliseconds so the ledger stays in integers."""
 
     characters: int = 0  # TTS input
+    prompt_tokens: int = 0  # embeddings' input (priced as a chat prompt's)
     audio_ms: int = 0  # ASR input, from the decoded audio
     images: int = 0
     video_ms: int = 0
@@ -239,9 +240,10 @@ class Units:
 
 
 def units_cost(rates: Rates, units: Units) -> int:
-    """Exact sum over the units, rounded up once: per 1k characters, per audio second, per
-    image, per video second."""
+    """Exact sum over the units, rounded up once: per 1k characters, per 1k input tokens, per
+    audio second, per image, per video second."""
     exact = (units.characters * rates.per_1k_characters
+             + units.prompt_tokens * rates.prompt_per_1k_tokens
              + units.audio_ms * rates.per_audio_second
              + units.images * rates.per_image * 1000
              + units.video_ms * rates.per_video_second)

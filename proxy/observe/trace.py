@@ -24,9 +24,9 @@ from typing import Any
 from aiohttp import web
 
 # A family's work as OpenTelemetry's GenAI conventions name it (`gen_ai.operation.name`: "chat"
-# is theirs; the others the gateway's own words).
+# and "embeddings" are theirs; the others the gateway's own words).
 OPERATIONS = {"chat": "chat", "tts": "text_to_speech", "asr": "transcription",
-              "image": "image_generation", "video": "video_generation"}
+              "image": "image_generation", "video": "video_generation", "embed": "embeddings"}
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from proxy.errors import ErrorKind, GatewayError
 
 FAMILY_NAMES = {
     "chat": "chat", "tts": "speech synthesis", "asr": "speech recognition",
-    "image": "image generation", "video": "video generation",
+    "image": "image generation", "video": "video generation", "embed": "embeddings",
 }
 
 

@@ -1,6 +1,7 @@
 """Upstream simulators: inference servers without GPUs, speaking the real wire formats.
 
-Chat: TGI and vLLM. Media: `tts` (CSM-1B behind an OpenAI TTS facade), `whisper` (vLLM's
+Chat: TGI and vLLM (`--runner pooling`: an embedding model). Embeddings: `tei`
+(text-embeddings-inference). Media: `tts` (CSM-1B behind an OpenAI TTS facade), `whisper` (vLLM's
 and whisper.cpp's transcription routes on one port), `image` (OpenAI Images) and `video`
 (text-to-video, an uncompressed AVI). Operators run them with
 `inference-gateway simulate KIND ...`; the gateway's tests run against them. Faults are
@@ -16,18 +17,19 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from proxy.simulators import imagegen, tgi, tts, videogen, vllm, whisper
+from proxy.simulators import imagegen, tei, tgi, tts, videogen, vllm, whisper
 from proxy.simulators.config import SimConfig
 from proxy.simulators.state import STATE, SimState, add_sim_routes
 
 CHAT_KINDS = ("tgi", "vllm")
 MEDIA_KINDS = ("tts", "whisper", "image", "video")
-KINDS = CHAT_KINDS + MEDIA_KINDS
+KINDS = CHAT_KINDS + MEDIA_KINDS + ("tei",)
 MAX_BODY = 16 * 1024 * 1024  # above both servers' defaults: the gateway enforces the real caps
 
 _ROUTES: dict[str, Callable[[web.Application], None]] = {
     "tgi": tgi.add_routes, "vllm": vllm.add_routes, "tts": tts.add_routes,
     "whisper": whisper.add_routes, "image": imagegen.add_routes, "video": videogen.add_routes,
+    "tei": tei.add_routes,
 }
 
 __all__ = ["CHAT_KINDS", "KINDS", "MEDIA_KINDS", "SimConfig", "build_app"]

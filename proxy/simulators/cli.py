@@ -17,10 +17,11 @@ from proxy.simulators.state import STATE
 # choice, apart from the usual 8000/8080 so they can run beside a vLLM: 8880 is Kokoro-FastAPI's
 # and 8188 ComfyUI's.
 DEFAULT_PORTS = {"tgi": 3000, "vllm": 8000, "tts": 8880, "whisper": 8178, "image": 8188,
-                 "video": 8189}
+                 "video": 8189, "tei": 3001}
 DEFAULT_MODEL = "acme/small-chat"
 DEFAULT_MODELS = {"tts": "acme/csm-1b", "whisper": "acme/whisper-large-v3",
-                  "image": "acme/image-gen", "video": "acme/video-gen"}
+                  "image": "acme/image-gen", "video": "acme/video-gen",
+                  "tei": "acme/embed-small"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         default=None,
-        help="default: 3000 tgi, 8000 vllm, 8880 tts, 8178 whisper, 8188 image, 8189 video",
+        help="default: 3000 tgi, 8000 vllm, 8880 tts, 8178 whisper, 8188 image, 8189 video, "
+        "3001 tei",
     )
     parser.add_argument(
         "--model",
@@ -39,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"served model, repeatable (default {DEFAULT_MODEL}; tts {DEFAULT_MODELS['tts']}, "
         f"whisper {DEFAULT_MODELS['whisper']}, image {DEFAULT_MODELS['image']}, video "
-        f"{DEFAULT_MODELS['video']}); TGI serves the first only",
+        f"{DEFAULT_MODELS['video']}, tei {DEFAULT_MODELS['tei']}); TGI and TEI serve the "
+        "first only",
     )
     parser.add_argument(
         "--ttft-ms", type=float, default=0.0,
@@ -55,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency", "--max-num-seqs", "--max-concurrent-requests", type=_positive_int,
         default=128, dest="max_concurrency", metavar="N",
         help="vLLM --max-num-seqs: the running batch, requests beyond it wait; TGI "
-        "--max-concurrent-requests: 429 beyond it in flight",
+        "--max-concurrent-requests: 429 beyond it in flight; TEI: the same, counted in inputs",
     )
     parser.add_argument(
         "--speed", type=_positive_float, default=1.0,
@@ -101,10 +104,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="report usage.prompt_tokens_details.cached_tokens")
     vllm.add_argument("--block-size", type=_positive_int, default=16,
                       help="KV-cache block: prompts that begin alike share cached blocks")
+    vllm.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                      help="pooling: an embedding model (/v1/embeddings; chat refused)")
+    embeddings = parser.add_argument_group("tei, vllm --runner pooling")
+    embeddings.add_argument("--embedding-size", type=_positive_int, default=384,
+                            help="the model's vector length")
+    embeddings.add_argument("--max-input-length", type=_positive_int, default=512,
+                            help="tei: the model's longest input in tokens")
+    embeddings.add_argument("--max-client-batch-size", type=_positive_int, default=32,
+                            help="tei: most inputs in one request (422 beyond)")
     tgi = parser.add_argument_group("tgi", "router options named as TGI names them")
     tgi.add_argument("--max-batch-size", type=_positive_int, default=None,
                      help="the running batch; beyond it requests queue (default: "
-                     "--max-concurrent-requests, so nothing queues)")
+                     "--max-concurrent-requests, so nothing queues); tei: requests processed "
+                     "at once")
     tgi.add_argument("--max-batch-total-tokens", type=_positive_int, default=None, metavar="N",
                      help="the running batch's token budget (prompt + max new tokens each); "
                      "sets --kv-cache-blocks to N / --block-size")
@@ -177,6 +190,10 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         sample_rate=args.sample_rate,
         word_timestamps=args.word_timestamps,
         whisper_cpp_errors_200=args.whisper_cpp_errors_200,
+        embedding_size=args.embedding_size,
+        max_input_length=args.max_input_length,
+        max_client_batch_size=args.max_client_batch_size,
+        runner=args.runner,
     )
 
 

@@ -34,6 +34,13 @@ class SimConfig:
     sample_rate: int = 24000  # tts: output rate (22050 emulates Piper)
     word_timestamps: bool = False  # whisper: honour timestamp_granularities[]=word (vLLM won't)
     whisper_cpp_errors_200: bool = False  # whisper /inference: errors with HTTP 200 (<= v1.8)
+    # Embedding models (`simulate tei`, `simulate vllm --runner pooling`): the vector's length,
+    # the longest input in tokens (TEI's max_input_length; vLLM's is --max-model-len), and the
+    # most inputs one TEI request may carry (--max-client-batch-size).
+    embedding_size: int = 384
+    max_input_length: int = 512
+    max_client_batch_size: int = 32
+    runner: str = "generate"  # vLLM --runner: "pooling" serves /v1/embeddings, not chat
 
     @property
     def batch_size(self) -> int:

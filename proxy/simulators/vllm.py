@@ -55,6 +55,7 @@ from collections.abc import Mapping
 import orjson
 from aiohttp import web
 
+from proxy.simulators import vllm_embed
 from proxy.simulators.bodies import json_response
 from proxy.simulators.engine import (
     CONTENT_TYPE,
@@ -333,7 +334,12 @@ async def engine_death(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", inference(_chat))
+    if app[STATE].config.runner == "pooling":  # an embedding model: no chat
+        app.router.add_post("/v1/embeddings", inference(vllm_embed.embeddings))
+        app.router.add_post("/v1/chat/completions", vllm_embed.not_routed)
+        app.router.add_post("/v1/completions", vllm_embed.not_routed)
+    else:
+        app.router.add_post("/v1/chat/completions", inference(_chat))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)

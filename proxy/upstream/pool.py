@@ -16,7 +16,8 @@ mode: a backend serves the modes its `modes` lists (one pool each), so a model m
 direct mode, network mode or both.
 
 A backend's context length (`max_model_len` per model) is what its engine reports (vLLM's
-/v1/models, read by the prober in the background); a pool's limit is the least of its backends'.
+/v1/models, TEI's /info, read by the prober in the background); a pool's limit is the least of
+its backends'.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ MODES: tuple[Mode, ...] = ("direct", "network")
 # no free health endpoint, so they are not probed unless `health_path` says where.
 _ROOT_HEALTH = frozenset({"ollama"})
 _NO_HEALTH = frozenset({"openai"})
-# Kinds that get the deep probe (a one-token chat completion) while their health is in doubt.
-DEEP_PROBE_KINDS = frozenset({"tgi", "vllm", "ollama"})
+# Kinds that get the deep probe (a one-token chat completion, or one word's vector) while
+# their health is in doubt.
+DEEP_PROBE_KINDS = frozenset({"tgi", "vllm", "ollama", "tei"})
 
 
 def health_path(spec: BackendSpec) -> str:
@@ -70,10 +72,10 @@ def health_path(spec: BackendSpec) -> str:
 class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
-    __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "cache_tokens",
-                 "completion_rate", "forward", "health", "max_ejected_ratio", "max_model_len",
-                 "name", "outstanding", "peers", "prefill_until", "probed", "record", "sent",
-                 "service_s", "signals", "spec", "supervised", "wake")
+    __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "batch_inputs",
+                 "cache_tokens", "completion_rate", "forward", "health", "max_ejected_ratio",
+                 "max_model_len", "name", "outstanding", "peers", "prefill_until", "probed",
+                 "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -109,6 +111,7 @@ class Backend:
         self.peers: tuple[tuple[Backend, ...], ...] = ()  # the pools this backend is in
         # model -> context length (prompt + completion tokens), as the engine reports it
         self.max_model_len: dict[str, int] = {}
+        self.batch_inputs: int | None = None  # TEI: the most inputs one request may carry
         self.wake: Callable[[], None] | None = None  # set by the prober: probe this one now
         self.cache_tokens: int | None = None  # its KV cache, as its engine reports it
         self.prefill_until = 0.0  # monotonic time its prefills sent so far end (estimated)

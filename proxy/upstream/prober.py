@@ -2,13 +2,15 @@
 
 - `Prober`: active probes, one task per backend. The cheap probe is `GET <health_path>` (2xx =
   OK); the deep probe is a one-token, non-streamed `POST /v1/chat/completions` for the backend's
-  first model (a 2xx JSON answer with `choices` = OK; 429 and 503 say busy, which is alive).
+  first model (a 2xx JSON answer with `choices` = OK; 429 and 503 say busy, which is alive),
+  or for an embedding server the vector of one word (`/v1/embeddings`, TEI's `/embed`).
   `BackendHealth.probe_kind` picks the tier; a cheap probe that just recovered is followed by
   the deep one at once. Probes run every `interval_s`, and at once (at most every
   `WAKE_GAP_S`) when a request to the backend failed: a dead engine then fails its probe and is
   out of rotation before a run of requests could fail on it.
-- Engine limits: for vLLM backends, `GET /v1/models` gives each served model's `max_model_len`;
-  it is read after the first good probe and again whenever the backend comes back into rotation
+- Engine limits: for vLLM backends, `GET /v1/models` gives each served model's `max_model_len`
+  (TEI's `GET /info` its `max_input_length` and `max_client_batch_size`); it is read after the
+  first good probe and again whenever the backend comes back into rotation
   (a restarted engine may have another context), never on a request's path.
 - `FleetSync`: reads the supervisor's records (`fleet_state`) from Redis, so a supervised backend
   is routable only while its process is ready, and a replaced process starts with clean health.
@@ -42,8 +44,10 @@ DEEP_PROBE_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 BUSY = frozenset({429, 503})  # a deep probe answered "busy": the engine is alive
 WAKE_GAP_S = 0.25  # failures wake the probe at most this often
-# Kinds whose /v1/models reports each model's context length (vLLM's `max_model_len`).
-CONTEXT_KINDS = frozenset({"vllm"})
+# Kinds that report each model's context length: vLLM's /v1/models (`max_model_len`), TEI's
+# /info (`max_input_length`, and the inputs one request may carry).
+CONTEXT_KINDS = frozenset({"vllm", "tei"})
+INFO_PATH = "/info"
 
 
 def probe_session(timeout_s: float) -> aiohttp.ClientSession:
@@ -65,11 +69,21 @@ async def cheap_probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
         return False
 
 
+def _deep_request(backend: Backend) -> tuple[str, dict[str, object], str]:
+    """(path, body, the key a good answer has) of the backend's deep probe."""
+    model = backend.spec.models[0]
+    if backend.spec.kind == "tei":
+        return "/embed", {"inputs": "ping"}, ""
+    if backend.spec.serves == "embed":
+        return "/v1/embeddings", {"model": model, "input": "ping"}, "data"
+    return DEEP_PROBE_PATH, {"model": model, "max_tokens": 1, "stream": False,
+                             "messages": [{"role": "user", "content": "ping"}]}, "choices"
+
+
 async def deep_probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
-    body = {"model": backend.spec.models[0], "max_tokens": 1, "stream": False,
-            "messages": [{"role": "user", "content": "ping"}]}
+    path, body, key = _deep_request(backend)
     try:
-        async with session.post(backend.base_url + DEEP_PROBE_PATH, data=orjson.dumps(body),
+        async with session.post(backend.base_url + path, data=orjson.dumps(body),
                                 headers={**PROBE_HEADERS, **backend.auth,
                                          "Content-Type": "application/json"},
                                 allow_redirects=False) as response:
@@ -84,13 +98,17 @@ async def deep_probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(answer, dict) and "error" not in answer and bool(answer.get("choices"))
+    if not key:  # TEI's /embed: a list of vectors
+        return isinstance(answer, list) and bool(answer)
+    return isinstance(answer, dict) and "error" not in answer and bool(answer.get(key))
 
 
 async def read_context(session: aiohttp.ClientSession, backend: Backend) -> dict[str, int] | None:
-    """model -> max_model_len from the engine's /v1/models; None when it cannot be read."""
+    """model -> max_model_len from the engine's /v1/models (TEI: its /info, and the inputs one
+    request may carry noted on `backend`); None when it cannot be read."""
+    tei = backend.spec.kind == "tei"
     try:
-        async with session.get(backend.base_url + MODELS_PATH,
+        async with session.get(backend.base_url + (INFO_PATH if tei else MODELS_PATH),
                                headers={**PROBE_HEADERS, **backend.auth},
                                allow_redirects=False) as response:
             raw = await response.read()
@@ -98,7 +116,24 @@ async def read_context(session: aiohttp.ClientSession, backend: Backend) -> dict
                 return None
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
-    return context_lengths(raw)
+    if not tei:
+        return context_lengths(raw)
+    longest, batch = tei_limits(raw)
+    backend.batch_inputs = batch
+    return None if longest is None else dict.fromkeys(backend.spec.models, longest)
+
+
+def tei_limits(raw: bytes) -> tuple[int | None, int | None]:
+    """TEI's /info -> (max_input_length, max_client_batch_size), each None if not there. Pure."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(body, dict):
+        return None, None
+    found = [body.get(name) for name in ("max_input_length", "max_client_batch_size")]
+    longest, batch = (n if type(n) is int and n > 0 else None for n in found)
+    return longest, batch
 
 
 def context_lengths(raw: bytes) -> dict[str, int] | None:

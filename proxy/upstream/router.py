@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from proxy.config import FAMILY_OF_KIND, BackendSpec, HealthSection, RoutingSection
+from proxy.config import BackendSpec, HealthSection, RoutingSection
 from proxy.errors import ErrorKind, GatewayError
 from proxy.policy.tiers import FAMILY_NAMES
 from proxy.upstream.pool import MODES, Backend, Pool
@@ -22,7 +22,7 @@ class Router:
         grouped: dict[tuple[str, str, str], list[Backend]] = {}
         self._providers: dict[tuple[str, str], list[Backend]] = {}
         for backend in self.backends:
-            family = FAMILY_OF_KIND[backend.spec.kind]
+            family = backend.spec.serves
             modes = [mode for mode in MODES if mode in backend.spec.modes]  # in MODES' order
             for model in backend.spec.models:
                 for mode in modes:

@@ -46,7 +46,7 @@ class Stack:
 # Every family's simulator: kind, backends.toml extras, model.
 FAMILIES = (("tts", {}, "acme/csm-1b"), ("whisper", {}, "acme/large-v3"),
             ("image", {"provider": "acme"}, "acme/image-gen"),
-            ("video", {"provider": "acme"}, "acme/video-gen"))
+            ("video", {"provider": "acme"}, "acme/video-gen"), ("tei", {}, "acme/embed-small"))
 AUDIO_HOST = "127.0.0.2"  # serves a WAV for audio_url and custom_voice.url
 
 

@@ -13,6 +13,9 @@ the same way), started when the first test asks for it, alone (the ASR modules s
 chat ones, so the chat replicas are not up yet) and on every core. It stops at the session's end,
 or as soon as no later test of the run asks for it, so the chat replicas never share the two
 cores (or the RAM: ~4 GB) with it; a later test would start it again.
+
+`embedder` is one real vLLM serving a tiny embedding model (serve-embed.sh: the chat venv, its
+own model), started when the first test asks for it and stopped when no later test does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import pytest
 
 from tests.support.processes import free_port
 from tests.support.real_engines import (
+    EMBED_ARGS,
+    EMBED_SCRIPT,
     MAX_MODEL_LEN,
     WHISPER_ARGS,
     WHISPER_SCRIPT,
@@ -109,6 +114,38 @@ def whisper(whisper_engine: Engines, request: pytest.FixtureRequest) -> Iterator
     yield fleet[0]
     if not _asked_later(request, "whisper"):
         fleet.stop()  # nothing later needs it: free its cores and RAM for the chat replicas
+
+
+@pytest.fixture(scope="session")
+def embed_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    logs = tmp_path_factory.mktemp("real-embed")
+    cores = os.cpu_count() or 1
+    replica = Replica("embed-0", free_port(), f"0-{cores - 1}", logs / "embed-0.log",
+                      script=EMBED_SCRIPT, args=EMBED_ARGS)
+    fleet = Engines([replica], logs / "prepare.log", script=EMBED_SCRIPT)
+    try:
+        fleet.start()
+    except EngineSetupError as exc:
+        pytest.fail(f"the real-engine tier cannot run its embedding replica: {exc}",
+                    pytrace=False)
+    _TIMES.append(f"embeddings: install/build check {fleet.prepare_s:.1f} s, ready in "
+                  f"{replica.started_s:.1f} s")
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture
+def embedder(embed_engine: Engines, request: pytest.FixtureRequest) -> Iterator[Replica]:
+    """The embedding replica, up; stopped once no later test of the run asks for it."""
+    fleet = embed_engine
+    try:
+        fleet.ensure_up()
+    except EngineSetupError as exc:
+        pytest.fail(f"the real-engine tier cannot run its embedding replica: {exc}",
+                    pytrace=False)
+    yield fleet[0]
+    if not _asked_later(request, "embedder"):
+        fleet.stop()
 
 
 def _asked_later(request: pytest.FixtureRequest, fixture: str) -> bool:

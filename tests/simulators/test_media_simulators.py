@@ -751,7 +751,13 @@ def test_cli_media_options() -> None:
     assert cli.config_from(args) == SimConfig(models=("acme/whisper-large-v3",),
                                               word_timestamps=True, whisper_cpp_errors_200=True)
     assert cli.DEFAULT_PORTS == {"tgi": 3000, "vllm": 8000, "tts": 8880, "whisper": 8178,
-                                 "image": 8188, "video": 8189}
+                                 "image": 8188, "video": 8189, "tei": 3001}
+    args = parser.parse_args(["tei", "--embedding-size", "256", "--max-input-length", "128",
+                              "--max-client-batch-size", "4"])
+    assert cli.config_from(args) == SimConfig(models=("acme/embed-small",), embedding_size=256,
+                                              max_input_length=128, max_client_batch_size=4)
+    args = parser.parse_args(["vllm", "--runner", "pooling"])
+    assert cli.config_from(args).runner == "pooling"
     assert set(KINDS) == set(cli.DEFAULT_PORTS)
 
 

@@ -13,12 +13,12 @@ MODEL = "acme/small-chat"
 GENEROUS_TIERS = """
 [tiers.guest]
 requests_per_minute = 100000
-families = ["chat", "tts", "asr", "image", "video"]
+families = ["chat", "tts", "asr", "image", "video", "embed"]
 models = { "*" = ["direct", "network"] }
 
 [tiers.max]
 requests_per_minute = 100000
-families = ["chat", "tts", "asr", "image", "video"]
+families = ["chat", "tts", "asr", "image", "video", "embed"]
 models = { "*" = ["direct", "network"] }
 """
 
@@ -53,7 +53,7 @@ models = {{ standard = ["direct", "network"], large-chat = ["direct"] }}
 
 [tiers.max]
 requests_per_minute = {max_}
-families = ["chat", "tts", "asr", "image", "video"]
+families = ["chat", "tts", "asr", "image", "video", "embed"]
 models = {{ standard = ["direct", "network"], large-chat = ["direct", "network"] }}
 """
 

@@ -46,6 +46,11 @@ CHAT_SCRIPT = "serve-tiny.sh"
 WHISPER_SCRIPT = "serve-whisper.sh"
 WHISPER_SERVED = "acme/whisper-tiny"
 WHISPER_ARGS = ("--max-num-seqs", "4")
+# The embedding replica (serve-embed.sh): a tiny decoder-based embedder, 256-dim vectors,
+# Matryoshka 32/64/128/256, max_model_len 512, served in float32.
+EMBED_SCRIPT = "serve-embed.sh"
+EMBED_SERVED = "acme/tiny-embed"
+EMBED_ARGS = ("--max-num-seqs", "4")
 
 
 class EngineSetupError(Exception):
@@ -198,6 +203,12 @@ def backend(replica: Replica, **extra: object) -> dict[str, object]:
     """backends.toml's entry for a replica (as an operator writes it for a real vLLM)."""
     return {"name": replica.name, "kind": "vllm", "url": replica.url, "models": [SERVED],
             **extra}
+
+
+def embed_backend(replica: Replica, **extra: object) -> dict[str, object]:
+    """backends.toml's entry for the embedding replica: a vLLM serving an embedding model."""
+    return {"name": replica.name, "kind": "vllm", "family": "embed", "url": replica.url,
+            "models": [EMBED_SERVED], **extra}
 
 
 def whisper_backend(replica: Replica, **extra: object) -> dict[str, object]:

@@ -192,6 +192,35 @@ modes = ["direct", "network"]
     text = problems_of(write(tmp_path / "rules", rules))
     assert "backends.toml: backends[1].modes: lists a mode twice" in text
     assert "backends.toml: backends[2].modes: speech recognition is direct-only" in text
+    families = MINIMAL + """
+[[backends]]
+name = "e1"
+kind = "vllm"
+family = "embed"
+url = "http://127.0.0.1:9004"
+models = ["e"]
+modes = ["network"]
+
+[[backends]]
+name = "e2"
+kind = "tgi"
+family = "embed"
+url = "http://127.0.0.1:9005"
+models = ["t"]
+
+[[backends]]
+name = "e3"
+kind = "tei"
+family = "chat"
+url = "http://127.0.0.1:9006"
+models = ["t2"]
+"""
+    text = problems_of(write(tmp_path / "families", families))
+    assert "backends.toml: backends[1].modes: embeddings are direct-only" in text
+    problems = text.splitlines()
+    assert "backends.toml: backends[2].family: a 'tgi' backend serves 'chat'" in problems
+    assert "backends.toml: backends[3].family: a 'tei' backend serves 'embed'" in problems
+    assert not any("backends[1].family" in p for p in problems)  # vllm may serve embed
 
 
 def test_network_policy_is_checked(tmp_path: Path) -> None:

@@ -63,7 +63,8 @@ def _check_modes(backend: BackendSpec, where: str) -> list[str]:
     if backend.family not in (None, own) and not (
             backend.family == "embed" and backend.kind in EMBED_KINDS):
         problems.append(f"{where}.family: a {backend.kind!r} backend serves {own!r}"
-                        + (" or 'embed'" if backend.kind in EMBED_KINDS else ""))
+                        + (" or 'embed'" if own != "embed" and backend.kind in EMBED_KINDS
+                           else ""))
     return problems
 
 

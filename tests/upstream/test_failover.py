@@ -115,6 +115,25 @@ async def test_a_busy_engine_passes_its_deep_probe(simulator: SimulatorFactory) 
             assert await deep_probe(session, backend) is alive
 
 
+async def test_an_embedding_servers_deep_probe_asks_for_a_vector(
+        simulator: SimulatorFactory) -> None:
+    """A vLLM embedding model and a TEI are probed by embedding one word (a chat probe would
+    fail on them), and a failing one fails it."""
+    vllm = await simulator("vllm", ("e",), runner="pooling")
+    tei, failing = await simulator("tei", ("t",)), await simulator("tei", ("t",),
+                                                                    fail_generation=True)
+    async with probe_session(2.0) as session:
+        for sim, spec, alive in (
+                (vllm, {"kind": "vllm", "family": "embed", "models": ["e"]}, True),
+                (tei, {"kind": "tei", "models": ["t"]}, True),
+                (failing, {"kind": "tei", "models": ["t"]}, False)):
+            backend = Backend(BackendSpec(name="b", url=str(sim.make_url("")).rstrip("/"),
+                                          **spec))
+            assert await deep_probe(session, backend) is alive
+    assert [r.path for r in vllm.app[STATE].records] == ["/v1/embeddings"]
+    assert [r.path for r in tei.app[STATE].records] == ["/embed"]
+
+
 async def busy_in_band(aiohttp_server: Any) -> TestServer:
     """A vLLM that admitted a stream (200) and then found its queue full: the 503 in-band."""
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -5,6 +5,7 @@ when the request is not one."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 from collections.abc import Awaitable, Callable
@@ -264,3 +265,15 @@ async def test_models_lists_the_embedding_models(stack: StackFactory) -> None:
         assert listed[model]["price"]["prompt_per_1k_tokens"] == PER_1K
         assert listed[model]["tiers"] == {"direct": ["pro", "max"]}
         assert listed[model]["healthy"] is True
+
+
+async def test_the_dispatcher_keeps_a_server_within_its_slots(stack: StackFactory) -> None:
+    """A TEI that refuses (429) a second input in flight, behind a backend of one slot: the
+    requests wait in the gateway's queue for it, and none is refused."""
+    s = await stack(tei={"max_concurrency": 1, "ttft_ms": 80}, backend={"max_concurrency": 1})
+    key = await s.key("max", "acct-d")
+    answers = await asyncio.gather(*(s.post({"model": TEI_MODEL, "input": f"text {i}"}, key)
+                                     for i in range(4)))
+    assert [status for status, _ in answers] == [200] * 4
+    sent = await s.sent(s.tei)
+    assert len(sent) == 4 and {r["outcome"] for r in sent} == {"completed"}

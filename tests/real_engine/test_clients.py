@@ -101,13 +101,24 @@ async def responses_calls(gw: TestServer, key: str) -> list[tuple[int, int]]:
         stream = await client.responses.create(model=SERVED, input=HELLO[0]["content"],
                                                max_output_tokens=24, stream=True)
         events = [event async for event in stream]
+        # With tools: the engine (hermes parser) decides; a tiny random model never calls one,
+        # so what comes back is its text, the tool's schema accepted by vLLM on the way.
+        tooled = await client.responses.create(
+            model=SERVED, input="What is the weather in Paris?", max_output_tokens=16,
+            tools=[{"type": "function", "name": "get_weather", "strict": False,
+                    "parameters": {"type": "object", "required": ["unit"],
+                                   "properties": {"unit": {"type": "string",
+                                                           "enum": ["c", "f"]}}}}])
+        assert tooled.usage is not None and tooled.output
+        assert {item.type for item in tooled.output} <= {"message", "function_call"}
     final = events[-1].response  # type: ignore[union-attr]
     assert events[0].type == "response.created"
     assert events[-1].type in ("response.completed", "response.incomplete")
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text and final.output_text == text and final.usage is not None
     return [(reply.usage.input_tokens, reply.usage.output_tokens),
-            (final.usage.input_tokens, final.usage.output_tokens)]
+            (final.usage.input_tokens, final.usage.output_tokens),
+            (tooled.usage.input_tokens, tooled.usage.output_tokens)]
 
 
 CLIENTS = {"openai": openai_calls, "anthropic": anthropic_calls, "ollama": ollama_calls,

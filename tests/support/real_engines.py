@@ -35,9 +35,11 @@ CACHE = Path(os.environ.get("REAL_ENGINES_DIR") or "~/.cache/real-engines").expa
 SERVED = "acme/tiny"
 MAX_MODEL_LEN = 1024
 # Small queues so that admission control (503) and waiting show up under a light load; prompt
-# token details for cached tokens, with blocks small enough (32) for short prompts to hit.
+# token details for cached tokens, with blocks small enough (32) for short prompts to hit; tool
+# calls parsed as a Hermes/Qwen model's (requests with tools need a parser).
 REPLICA_ARGS = ("--max-num-seqs", "4", "--max-num-queued-reqs", "8",
-                "--enable-prompt-tokens-details", "--block-size", "32")
+                "--enable-prompt-tokens-details", "--block-size", "32",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 PREPARE_TIMEOUT_S = 20 * 60  # a first install is ~2 min; a slow mirror gets room
 START_TIMEOUT_S = 300  # ~30 s each, two at once on two cores; more while the box is busy
 STOP_GRACE_S = 15

@@ -1,6 +1,7 @@
 """The `inference-gateway` command (also `python -m proxy`).
 
-serve, simulate, check-config, and the administration commands: keys, accounts.
+serve, simulate, check-config, the administration commands (keys, accounts, credits,
+webhooks) and `policy replay`.
 """
 
 from __future__ import annotations
@@ -8,10 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+
+import orjson
 
 from proxy import __version__, admin_cli
-from proxy.config import Config, ConfigError, load_config
+from proxy.config import Config, ConfigError, load_config, load_policies
+from proxy.policy import replay
 from proxy.simulators import cli as simulators_cli
 
 
@@ -57,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.set_defaults(handler=simulators_cli.run)
 
     admin_cli.add_commands(commands)  # keys create|list|revoke, accounts show
+    _policy_commands(commands)  # policy replay
     return parser
 
 
@@ -99,4 +106,63 @@ def _check_config(args: argparse.Namespace) -> int:
     if config is None:
         return 1
     print(f"ok: {len(config.backends)} backend(s), config folder {config.root}")
+    return 0
+
+
+def _policy_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    policy = subparsers.add_parser("policy", help="try a candidate policy set on recorded traffic")
+    commands = policy.add_subparsers(title="policy commands", required=True)
+    command = commands.add_parser(
+        "replay", help="replay access-log lines through a candidate policies folder")
+    command.add_argument("--log", action="append", required=True, metavar="FILE",
+                        help="an access log (JSON lines; '-' for stdin), repeatable")
+    command.add_argument("--policies", required=True, metavar="DIR",
+                        help="the candidate policies folder (tiers.toml, prices.toml, ...)")
+    command.add_argument("--since", type=_moment, metavar="TIME",
+                        help="only requests from this time (ISO 8601, e.g. 2026-11-27T00:00Z, "
+                        "or Unix seconds)")
+    command.add_argument("--until", type=_moment, metavar="TIME", help="only requests before it")
+    command.add_argument("--top", type=int, default=10, metavar="N",
+                        help="accounts listed (default 10)")
+    command.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+    command.set_defaults(handler=_replay)
+
+
+def _moment(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r}") from None
+
+
+def _lines(paths: list[str]) -> Iterator[bytes]:
+    for path in paths:
+        if path == "-":
+            yield from sys.stdin.buffer
+            continue
+        with Path(path).open("rb") as file:
+            yield from file
+
+
+def _replay(args: argparse.Namespace) -> int:
+    try:
+        policies = load_policies(args.policies)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"config error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        lines = list(_lines(args.log))
+    except OSError as exc:
+        print(f"cannot read the log: {exc}", file=sys.stderr)
+        return 2
+    report = replay.Replay(policies).run(lines, args.since, args.until).report(args.top)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        print(replay.text(report))
     return 0

@@ -118,7 +118,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
                                 exact=style.name in ("openai", "served"))
         mode = choose_mode(router, "chat", call.model, call.mode, stream=call.stream)
         router.require("chat", call.model)  # 404: no such chat model, before access
-        request[TRACE].model = call.model
+        request[TRACE].model, request[TRACE].mode = call.model, mode
         check_access(policies.tiers, principal.tier, family="chat", model=call.model, mode=mode)
         pool = router.pool("chat", call.model, mode)  # 404: not offered in that mode
         _push_back(pool, tier, principal.tier)  # 503 while its engines queue past the budget
@@ -214,7 +214,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
             check_access(policies.tiers, principal.tier, family=family.name, model=model,
                          mode=mode)
         pool = family.pool(router, job, policies, mode)  # 404 (not in that mode)
-        request[TRACE].model = pool.model
+        request[TRACE].model, request[TRACE].mode = pool.model, mode
         if model is None:
             check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                          mode=mode)
@@ -316,6 +316,7 @@ def _traced(request: web.Request, principal: Principal, began: float, family: st
     trace = request[TRACE]
     trace.stage("auth", began)
     trace.operation = OPERATIONS.get(family)
+    trace.family = family
     trace.tier = principal.tier
     if principal.kind != "guest":
         trace.account = principal.account

@@ -32,7 +32,7 @@ from proxy.config.backends import (
     UpstreamSection,
     Weight,
 )
-from proxy.config.loader import Config, ConfigError, load_config
+from proxy.config.loader import Config, ConfigError, load_config, load_policies
 from proxy.config.policies import (
     ANY_GROUP,
     POLICY_FILES,
@@ -135,4 +135,5 @@ __all__ = [
     "UpstreamSection",
     "Weight",
     "load_config",
+    "load_policies",
 ]

@@ -78,25 +78,7 @@ def load_config(folder: str | Path = ".") -> Config:
     if backends is not None:
         problems.extend(check_backends(backends))
 
-    policies: dict[str, Any] = {}
-    policy_dir = root / "policies"
-    if policy_dir.is_dir():
-        for path in sorted(policy_dir.glob("*.toml")):
-            label = f"policies/{path.name}"
-            schema = POLICY_FILES.get(path.name)
-            if schema is None:
-                known = ", ".join(sorted(POLICY_FILES))
-                problems.append(f"{label}: unknown policy file (known: {known})")
-                continue
-            loaded = _load_file(path, label, schema, problems)
-            if loaded is not None:
-                policies[path.stem] = loaded
-
-    if "tiers" in policies:
-        problems.extend(check_tiers(policies["tiers"]))
-    if "requests" in policies:
-        problems.extend(check_networks(policies["requests"].fetch))
-        problems.extend(check_network_mode(policies["requests"].network))
+    policies = _policy_files(root / "policies", problems)
     if backends is not None:
         problems.extend(check_network_pools(
             backends.backends, policies.get("requests", RequestsPolicy()).network))
@@ -127,6 +109,41 @@ def load_config(folder: str | Path = ".") -> Config:
         backends=tuple(backends.backends),
         policies=Policies(**policies),
     )
+
+
+def load_policies(folder: str | Path) -> Policies:
+    """A policies folder alone (a candidate set for `policy replay`): the files and the rules
+    within them, as `load_config` checks them; ConfigError lists every fault."""
+    problems: list[str] = []
+    root = Path(folder).resolve()
+    if not root.is_dir():
+        raise ConfigError([f"{folder}: not a folder of policy files"])
+    policies = _policy_files(root, problems)
+    if problems:
+        raise ConfigError(problems)
+    return Policies(**policies)
+
+
+def _policy_files(folder: Path, problems: list[str]) -> dict[str, Any]:
+    """policies/*.toml by file stem, each checked; faults added to `problems`."""
+    policies: dict[str, Any] = {}
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.toml")):
+            label = f"policies/{path.name}"
+            schema = POLICY_FILES.get(path.name)
+            if schema is None:
+                known = ", ".join(sorted(POLICY_FILES))
+                problems.append(f"{label}: unknown policy file (known: {known})")
+                continue
+            loaded = _load_file(path, label, schema, problems)
+            if loaded is not None:
+                policies[path.stem] = loaded
+    if "tiers" in policies:
+        problems.extend(check_tiers(policies["tiers"]))
+    if "requests" in policies:
+        problems.extend(check_networks(policies["requests"].fetch))
+        problems.extend(check_network_mode(policies["requests"].network))
+    return policies
 
 
 def _load_file(path: Path, label: str, schema: type[S], problems: list[str]) -> S | None:

@@ -180,6 +180,7 @@ class Meter:
     worst: ChatUsage | None = None  # chat, embeddings: what it reserves in them
     started: float = field(default_factory=time.monotonic)
     charged: tuple[int, dict[str, int]] | None = None  # (cost, units) of the settlement queued
+    cached_tokens: int = 0  # chat: of the prompt tokens charged, those the engine had cached
     _settled: bool = False
 
     async def admit(self, tier: TierPolicy) -> Window:
@@ -259,6 +260,8 @@ class Meter:
         charged = self.settle(result)
         if trace is not None and charged is not None:
             cost, trace.units = charged
+            if self.cached_tokens:  # the log's copy: what a replay reprices them at
+                trace.units = {**trace.units, "cached_tokens": self.cached_tokens}
             if cost:
                 trace.credits = format_credits(cost)
             trace.stage("settlement", began, {"igw.outcome": str(result.status)})
@@ -269,6 +272,7 @@ class Meter:
             used = result.used if result.status in DELIVERED else Units()
             return units_cost(self.rates, used), used.counts(), {}
         usage = self._chat_usage(result) or ChatUsage(0, 0)
+        self.cached_tokens = usage.cached_tokens
         return (chat_cost(self.rates, usage),
                 {"prompt_tokens": usage.prompt_tokens,
                  "completion_tokens": usage.completion_tokens},

@@ -7,9 +7,10 @@ slow disk or a full pipe never stalls the event loop, and a busy gateway pays a 
 dicts (~850 B), and the thread joins no copy of a batch: memory it allocates lands in a malloc
 arena of its own, which the process keeps (a batch joined there, and orjson's 4 KB buffers, once
 cost the worker ~8 MB of RSS under load). `QUEUE_MAX` bounds what a writer that falls behind
-can hold. A line holds the request id, method, route template, model, tier, account, status,
-error type, latency, time to first byte, backend, stream outcome, units, credits and the id of
-its trace when one was exported ([telemetry]); never a key,
+can hold. A line holds the request id, method, route template, model, task family, mode, tier,
+account, status, error type, latency, time to first byte, backend, stream outcome, units
+(cached prompt tokens among them), credits and the id of its trace when one was exported
+([telemetry]): what `policy replay` reads back (proxy.policy.replay); never a key,
 a token, a header or anything from a body. `[gateway] access_log` picks where it goes
 ("stderr", "off" or a file path; a file is reopened when logrotate moves it).
 """
@@ -82,7 +83,8 @@ class AccessLog:
             "route": trace.route, "status": status,
             "latency_ms": round((time.monotonic() - trace.started) * 1000, 1),
         }
-        for name in ("model", "tier", "account", "error", "backend", "outcome"):
+        for name in ("model", "family", "mode", "tier", "account", "error", "backend",
+                     "outcome"):
             value = getattr(trace, name)
             if value is not None:
                 line[name] = value

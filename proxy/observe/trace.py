@@ -86,6 +86,8 @@ class Trace:
     account: str | None = None  # keyed callers' account (the log's, never a metric label)
     model: str | None = None  # set only once the router knows it: never client text
     operation: str | None = None  # what the model is asked to do (OPERATIONS)
+    family: str | None = None  # the task family, as tiers.toml names it ...
+    mode: str | None = None  # ... and the mode it ran in: what a policy replay needs
     backend: str | None = None  # the last backend an exchange went to
     first_byte_s: float | None = None  # a stream's first content, from `started`
     outcome: str | None = None  # a stream's ending (proxy.outcome.Outcome)

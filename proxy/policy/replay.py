@@ -1,0 +1,355 @@
+"""Recorded traffic through a candidate policy set (`inference-gateway policy replay`): what it
+would have refused, and what it would have charged. Pure: access-log lines in, a report out.
+
+Each request the access log recorded with a tier, a model and a family (those that got past
+authentication and the model's lookup) is replayed in arrival order (its `ts` less its
+latency), under the candidate's policies, in the gateway's order (DESIGN §6):
+
+- access (403): the tier's families, the model's group, the mode;
+- the request rate (429): `requests_per_minute` over a sliding minute per account, every
+  attempt past authentication counted as the gateway counts them (one refused for access
+  too, not one refused for the rate);
+- the token limits (429): the tier's and the model group's windows (a minute, a day; tokens,
+  input or output), counted with what each admitted request used (the log's units). The live
+  gateway reserves a request's worst case until it ends, so it may refuse sooner than a replay
+  shows: a replay's token refusals are a lower bound;
+- the price of what each request that runs under both used: its units at the candidate's
+  prices (chat tokens, cached ones at their own price, characters, audio and video seconds,
+  images, embedding tokens), rounded up once as the meter does; guests pay nothing.
+
+Not replayed, each for want of it in the log: guests' rate and token limits (their bucket is
+their address, which the log does not keep), balances and budgets (402: kept as they were),
+queue budgets (the engines' queues at the time). A request the live gateway refused and the
+candidate admits ran nowhere: it is counted as "admitted", with no units and no price.
+Deterministic: the same lines and policies give the same report.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from proxy.config import Policies, Rates, TierPolicy
+from proxy.credits.pricing import (
+    ChatUsage,
+    Units,
+    chat_cost,
+    format_credits,
+    parse_credits,
+    units_cost,
+)
+from proxy.credits.token_windows import BUCKETS, TokenWindow, token_windows
+from proxy.identity.auth import GUEST_TIER
+from proxy.policy.tiers import denial
+
+RATE_WINDOW_S = 60.0
+ADMITTED, FORBIDDEN, RATE_LIMITED, TOKEN_LIMITED, UNKNOWN_TIER = (
+    "admitted", "forbidden", "rate_limited", "token_limited", "unknown_tier")
+
+
+class Request(msgspec.Struct, frozen=True, gc=False):
+    """One access-log line, as a replay reads it (the log's own field names; others ignored).
+    Untracked by the garbage collector (it holds no cycles): a day's million of them would
+    otherwise make every collection walk them all."""
+
+    ts: float  # when it ended
+    status: int
+    tier: str
+    model: str
+    family: str
+    latency_ms: float = 0.0
+    mode: str = "direct"
+    account: str | None = None  # None: a guest
+    error: str | None = None
+    units: dict[str, int] = {}
+    credits: str | None = None  # what it was charged, as the account API writes it
+
+    @property
+    def start(self) -> float:
+        """When it arrived."""
+        return self.ts - self.latency_ms / 1000
+
+    @property
+    def charged(self) -> int:
+        """What it was charged, in micro-credits."""
+        text = self.credits
+        if not text:
+            return 0
+        whole, _, fraction = text.partition(".")
+        if whole.isdigit() and fraction.isdigit() and len(fraction) <= 6:
+            return int(whole) * 1_000_000 + int(fraction.ljust(6, "0"))
+        try:
+            return parse_credits(text)
+        except ValueError:
+            return 0
+
+    @property
+    def live(self) -> str:
+        """What the live gateway decided at admission."""
+        if self.error in ("forbidden", "rate_limited") and not self.units:
+            return FORBIDDEN if self.error == "forbidden" else RATE_LIMITED
+        return ADMITTED
+
+
+_LINE = msgspec.json.Decoder(Request)
+
+
+def read_line(raw: bytes | str) -> Request | None:
+    """A log line as a replayable request; None for one that is not (no tier, model or family:
+    refused before the model was known, or not an inference route), or not a line at all."""
+    try:
+        return _LINE.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def price(rates: Rates, request: Request) -> int:
+    """What `request`'s units cost at `rates` (micro-credits; guests nothing)."""
+    if request.tier == GUEST_TIER or not request.units:
+        return 0
+    u = request.units
+    if request.family == "chat":
+        return chat_cost(rates, ChatUsage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
+                                          cached_tokens=u.get("cached_tokens", 0)))
+    return units_cost(rates, Units(characters=u.get("characters", 0),
+                                   prompt_tokens=u.get("prompt_tokens", 0),
+                                   audio_ms=u.get("audio_ms", 0), images=u.get("images", 0),
+                                   video_ms=u.get("video_ms", 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    """What the candidate says of one (tier, family, model, mode), worked out once."""
+
+    tier: TierPolicy | None  # None: a tier the candidate lacks
+    refused: str  # why access is denied ("" when it is not)
+    windows: tuple[TokenWindow, ...]  # the token windows it counts in
+    rates: Rates
+
+
+class _Window:
+    """A sliding window of (time, amount): what fell in the last `span` seconds."""
+
+    __slots__ = ("entries", "span", "total")
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self.entries: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def at(self, now: float) -> int:
+        entries, edge = self.entries, now - self.span
+        while entries and entries[0][0] <= edge:
+            self.total -= entries.popleft()[1]
+        return self.total
+
+    def add(self, now: float, amount: int) -> None:
+        self.entries.append((now, amount))
+        self.total += amount
+
+
+@dataclass
+class Tally:
+    """One group's count (a tier and model, or an account)."""
+
+    requests: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)  # candidate's, by outcome
+    newly_refused: int = 0  # admitted live, refused by the candidate
+    newly_admitted: int = 0  # refused live (access or rate), admitted by the candidate
+    live_credits: int = 0  # micro-credits charged live
+    candidate_credits: int = 0  # what the candidate charges for what it admits
+
+    def add(self, decision: str, live: str, charged: int, candidate: int) -> None:
+        self.requests += 1
+        self.decisions[decision] = self.decisions.get(decision, 0) + 1
+        if decision != ADMITTED and live == ADMITTED:
+            self.newly_refused += 1
+        elif decision == ADMITTED and live != ADMITTED:
+            self.newly_admitted += 1
+        self.live_credits += charged
+        self.candidate_credits += candidate
+
+    def as_json(self) -> dict[str, Any]:
+        return {"requests": self.requests, "decisions": dict(sorted(self.decisions.items())),
+                "newly_refused": self.newly_refused, "newly_admitted": self.newly_admitted,
+                "live_micro_credits": self.live_credits,
+                "candidate_micro_credits": self.candidate_credits,
+                "difference_micro_credits": self.candidate_credits - self.live_credits}
+
+
+class Replay:
+    """Feed requests in arrival order (`run` sorts them); read `by_tier_model`, `by_account`,
+    `reasons` after."""
+
+    def __init__(self, policies: Policies) -> None:
+        self.policies = policies
+        self.by_tier_model: dict[tuple[str, str], Tally] = {}
+        self.by_account: dict[str, Tally] = {}
+        self.reasons: dict[str, int] = {}  # the candidate's refusals, by their message
+        self.skipped = 0  # lines that are not replayable requests
+        self._rates: dict[str, _Window] = {}
+        self._tokens: dict[tuple[str, str], _Window] = {}
+        self._rules: dict[tuple[str, str, str, str], _Rule] = {}
+
+    def run(self, lines: Iterable[bytes | str], since: float | None = None,
+            until: float | None = None) -> Replay:
+        """Every replayable line that arrived in [since, until), in arrival order."""
+        requests = []
+        for raw in lines:
+            request = read_line(raw)
+            if request is None:
+                self.skipped += 1
+            elif (since is None or request.start >= since) and (
+                    until is None or request.start < until):
+                requests.append(request)
+        requests.sort(key=lambda r: r.start)
+        for request in requests:
+            self.replay(request)
+        return self
+
+    def replay(self, request: Request) -> str:
+        """The candidate's decision on `request`, counted."""
+        rule = self._rule(request)
+        decision, reason = self._decide(request, rule)
+        if reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        live = request.live
+        candidate = price(rule.rates, request) if decision == ADMITTED else 0
+        charged = request.charged
+        key = (request.tier, request.model)
+        tally = self.by_tier_model.get(key)
+        if tally is None:
+            tally = self.by_tier_model[key] = Tally()
+        tally.add(decision, live, charged, candidate)
+        if request.account is not None:
+            tally = self.by_account.get(request.account)
+            if tally is None:
+                tally = self.by_account[request.account] = Tally()
+            tally.add(decision, live, charged, candidate)
+        return decision
+
+    def _rule(self, request: Request) -> _Rule:
+        key = (request.tier, request.family, request.model, request.mode)
+        rule = self._rules.get(key)
+        if rule is None:
+            tiers = self.policies.tiers
+            tier = tiers.tiers.get(request.tier)
+            refused = "" if tier is None else denial(
+                tiers, request.tier, family=request.family, model=request.model,
+                mode=request.mode) or ""
+            windows = () if tier is None else token_windows(tier, tiers.group_of(request.model))
+            rule = self._rules[key] = _Rule(
+                tier, refused, windows, self.policies.prices.for_model(request.model,
+                                                                       request.mode))
+        return rule
+
+    def _decide(self, request: Request, rule: _Rule) -> tuple[str, str]:
+        tier = rule.tier
+        if tier is None:
+            return UNKNOWN_TIER, f"tier {request.tier!r} is not in the candidate's tiers.toml"
+        refused = rule.refused
+        account = request.account
+        if account is None:  # a guest: no bucket in the log
+            return (FORBIDDEN, refused) if refused else (ADMITTED, "")
+        rate = self._rates.get(account)
+        if rate is None:
+            rate = self._rates[account] = _Window(RATE_WINDOW_S)
+        limit = tier.requests_per_minute
+        start = request.start
+        if limit and rate.at(start) >= limit:
+            return RATE_LIMITED, f"{request.tier}: more than {limit} requests a minute"
+        rate.add(start, 1)  # counted, whatever comes next
+        if refused:
+            return FORBIDDEN, refused
+        over = self._over_tokens(request, start, rule.windows) if rule.windows else ""
+        if over:
+            return TOKEN_LIMITED, f"{request.tier}: {over}"
+        return ADMITTED, ""
+
+    def _over_tokens(self, request: Request, start: float,
+                     windows: tuple[TokenWindow, ...]) -> str:
+        """The token window `request` would not fit in ("" when it fits; then counted)."""
+        prompt = request.units.get("prompt_tokens", 0)
+        completion = request.units.get("completion_tokens", 0)
+        found = []
+        for window in windows:
+            slot = (str(request.account), f"{request.tier}:{window.suffix}")
+            counted = self._tokens.get(slot)
+            if counted is None:
+                seconds, buckets = BUCKETS[window.period]
+                counted = self._tokens[slot] = _Window(seconds * buckets)
+            wanted = window.reserve(prompt, completion)
+            if counted.at(start) + wanted > window.limit:
+                return window.describe()
+            found.append((counted, wanted))
+        for counted, wanted in found:
+            counted.add(start, wanted)
+        return ""
+
+    def report(self, top: int = 10) -> dict[str, Any]:
+        """The whole of it, as `--json` prints it (sorted: the same input, the same output)."""
+        total = Tally()
+        for tally in self.by_tier_model.values():
+            total.requests += tally.requests
+            for name, n in tally.decisions.items():
+                total.decisions[name] = total.decisions.get(name, 0) + n
+            total.newly_refused += tally.newly_refused
+            total.newly_admitted += tally.newly_admitted
+            total.live_credits += tally.live_credits
+            total.candidate_credits += tally.candidate_credits
+        accounts = sorted(self.by_account.items(), key=lambda item: (
+            -abs(item[1].candidate_credits - item[1].live_credits), -item[1].newly_refused,
+            item[0]))
+        refused = sorted(self.by_account.items(),
+                         key=lambda item: (-item[1].newly_refused, item[0]))
+        return {
+            "total": total.as_json(),
+            "skipped_lines": self.skipped,
+            "by_tier_model": [{"tier": tier, "model": model, **tally.as_json()}
+                              for (tier, model), tally in sorted(self.by_tier_model.items())],
+            "refusal_reasons": dict(sorted(self.reasons.items(), key=lambda r: (-r[1], r[0]))),
+            "accounts_by_revenue_change": [{"account": name, **tally.as_json()}
+                                           for name, tally in accounts[:top]],
+            "accounts_by_new_refusals": [{"account": name, **tally.as_json()}
+                                         for name, tally in refused[:top]
+                                         if tally.newly_refused],
+        }
+
+
+# ---- the report as a table (`policy replay` without --json) ------------------------------
+
+
+def _credits(micro: int) -> str:
+    return format_credits(micro).rstrip("0").rstrip(".") or "0"
+
+
+def _row(name: str, tally: dict[str, Any]) -> str:
+    refused = tally["requests"] - tally["decisions"].get(ADMITTED, 0)
+    return (f"{name:<42} {tally['requests']:>8} {refused:>8} {tally['newly_refused']:>8} "
+            f"{tally['newly_admitted']:>8} {_credits(tally['live_micro_credits']):>12} "
+            f"{_credits(tally['candidate_micro_credits']):>12} "
+            f"{_credits(tally['difference_micro_credits']):>12}")
+
+
+def text(report: dict[str, Any]) -> str:
+    """`report` as tables: per tier and model, the reasons, the accounts most affected."""
+    head = (f"{'tier / model':<42} {'requests':>8} {'refused':>8} {'newly':>8} {'now run':>8} "
+            f"{'live cr':>12} {'candidate':>12} {'change':>12}")
+    out = [head, "-" * len(head)]
+    out += [_row(f"{r['tier']} / {r['model']}", r) for r in report["by_tier_model"]]
+    out += ["-" * len(head), _row("all", report["total"]), ""]
+    out.append(f"lines not replayed (no tier, model or family): {report['skipped_lines']}")
+    if report["refusal_reasons"]:
+        out += ["", "why the candidate refuses:"]
+        out += [f"  {n:>8}  {reason}" for reason, n in report["refusal_reasons"].items()]
+    if report["accounts_by_revenue_change"]:
+        out += ["", "accounts by revenue change:"]
+        out += ["  " + _row(a["account"], a) for a in report["accounts_by_revenue_change"]]
+    if report["accounts_by_new_refusals"]:
+        out += ["", "accounts by requests newly refused:"]
+        out += ["  " + _row(a["account"], a) for a in report["accounts_by_new_refusals"]]
+    return "\n".join(out)

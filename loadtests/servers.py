@@ -218,7 +218,7 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
     (policies / "tiers.toml").write_text(
         '[tiers.guest]\nrequests_per_minute = 3\nfamilies = ["chat"]\n'
         'models = { "*" = ["direct"] }\n\n'
-        f'[tiers.{BENCH_TIER}]\nrequests_per_minute = 1000000\nfamilies = ["chat"]\n'
+        f'[tiers.{BENCH_TIER}]\nrequests_per_minute = 1000000\nfamilies = ["chat", "embed"]\n'
         'models = { "*" = ["direct", "network"] }\n'
         + ("tokens_per_minute = 10000000000\ntokens_per_day = 1000000000000\n" if limits
            else "")

@@ -15,7 +15,8 @@ or as soon as no later test of the run asks for it, so the chat replicas never s
 cores (or the RAM: ~4 GB) with it; a later test would start it again.
 
 `embedder` is one real vLLM serving a tiny embedding model (serve-embed.sh: the chat venv, its
-own model), started when the first test asks for it and stopped when no later test does.
+own model): launched beside the chat replicas when the run has embedding tests (its start
+overlaps theirs), or when the first test asks for it, and stopped when no later test does.
 """
 
 from __future__ import annotations
@@ -43,13 +44,23 @@ _TIMES: list[str] = []  # for the terminal summary: what the tier's setup cost t
 
 
 @pytest.fixture(scope="session")
-def engines(tmp_path_factory: pytest.TempPathFactory,
-            trace_backend_starting: TraceBackend) -> Iterator[Engines]:
+def engines(tmp_path_factory: pytest.TempPathFactory, trace_backend_starting: TraceBackend,
+            request: pytest.FixtureRequest) -> Iterator[Engines]:
     traces = trace_backend_starting  # launched, not waited for: it starts beside the replicas
     logs = tmp_path_factory.mktemp("real-engines")
     cores = os.cpu_count() or 1
     fleet = Engines([Replica(f"vllm-{i}", free_port(), i % cores, logs / f"vllm-{i}.log",
                              traces_to=traces.otlp_url) for i in range(2)], logs / "prepare.log")
+    if _asked_in(request.session.items, "embedder"):
+        # Its ~30 s start overlaps the chat replicas' instead of adding to the run; it idles
+        # (memory only) until the embedding tests, after the chat ones.
+        early = _embed_fleet(tmp_path_factory)
+        try:
+            early.launch()
+        except EngineSetupError:
+            early.stop()  # its fixture starts it again, and fails the tests with the reason
+        else:
+            _EARLY_EMBED.append(early)
     try:
         fleet.start()
     except EngineSetupError as exc:
@@ -116,20 +127,34 @@ def whisper(whisper_engine: Engines, request: pytest.FixtureRequest) -> Iterator
         fleet.stop()  # nothing later needs it: free its cores and RAM for the chat replicas
 
 
-@pytest.fixture(scope="session")
-def embed_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+_EARLY_EMBED: list[Engines] = []  # launched beside the chat replicas (`engines`)
+
+
+def _embed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Engines:
     logs = tmp_path_factory.mktemp("real-embed")
     cores = os.cpu_count() or 1
     replica = Replica("embed-0", free_port(), f"0-{cores - 1}", logs / "embed-0.log",
                       script=EMBED_SCRIPT, args=EMBED_ARGS)
-    fleet = Engines([replica], logs / "prepare.log", script=EMBED_SCRIPT)
+    return Engines([replica], logs / "prepare.log", script=EMBED_SCRIPT)
+
+
+@pytest.fixture(scope="session")
+def embed_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    fleet = _EARLY_EMBED.pop() if _EARLY_EMBED else _embed_fleet(tmp_path_factory)
     try:
-        fleet.start()
+        if fleet[0].proc is None:
+            fleet.start()
+        else:
+            fleet.ensure_up()  # launched early: wait for it
     except EngineSetupError as exc:
+        fleet.stop()
         pytest.fail(f"the real-engine tier cannot run its embedding replica: {exc}",
                     pytrace=False)
+    except BaseException:
+        fleet.stop()
+        raise
     _TIMES.append(f"embeddings: install/build check {fleet.prepare_s:.1f} s, ready in "
-                  f"{replica.started_s:.1f} s")
+                  f"{fleet[0].started_s:.1f} s from its start")
     yield fleet
     fleet.stop()
 
@@ -155,7 +180,16 @@ def _asked_later(request: pytest.FixtureRequest, fixture: str) -> bool:
         later = items[items.index(request.node) + 1:]
     except ValueError:
         return True
-    return any(fixture in getattr(item, "fixturenames", ()) for item in later)
+    return _asked_in(later, fixture)
+
+
+def _asked_in(items: list[pytest.Item], fixture: str) -> bool:
+    return any(fixture in getattr(item, "fixturenames", ()) for item in items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _EARLY_EMBED:  # launched and never taken (an interrupted run)
+        _EARLY_EMBED.pop().stop()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -167,6 +167,7 @@ class Engines:
         self.log = log
         self.script = script  # whose --prepare installs and builds what they need
         self.prepare_s = 0.0
+        self._launched: list[Replica] = []  # started by `launch`, not yet seen ready
 
     def __getitem__(self, index: int) -> Replica:
         return self.replicas[index]
@@ -175,14 +176,24 @@ class Engines:
         self.prepare_s = prepare(self.log, self.script)
         self.ensure_up()
 
+    def launch(self) -> None:
+        """Install and build what is missing, and start the replicas without waiting for them
+        (`ensure_up` waits): their start overlaps another fleet's."""
+        self.prepare_s = prepare(self.log, self.script)
+        for replica in self.replicas:
+            replica.start()
+        self._launched = list(self.replicas)
+
     def ensure_up(self) -> None:
-        """Start every replica that is not running (in parallel) and wait for /health 200."""
+        """Start every replica that is not running (in parallel) and wait for /health 200
+        (also for those `launch` started)."""
         down = [r for r in self.replicas if not r.running]
         for replica in down:
             replica.stop()  # reap a dead one's group before reusing its port
             replica.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = list(down)
+        waiting = self._launched + [r for r in down if r not in self._launched]
+        self._launched = []
         try:
             while waiting:
                 waiting = [r for r in waiting if not r.poll_ready()]

@@ -338,8 +338,10 @@ def _row(name: str, tally: dict[str, Any]) -> str:
 def text(report: dict[str, Any]) -> str:
     """`report` as tables: per tier and model, the reasons, the accounts most affected."""
     head = (f"{'tier / model':<42} {'requests':>8} {'refused':>8} {'newly':>8} {'now run':>8} "
-            f"{'live cr':>12} {'candidate':>12} {'change':>12}")
-    out = [head, "-" * len(head)]
+            f"{'live':>12} {'candidate':>12} {'change':>12}")
+    out = ["refused: by the candidate; newly: of them, run live; now run: refused live, run by "
+           "the candidate; credits: live, the candidate's, the change", "", head,
+           "-" * len(head)]
     out += [_row(f"{r['tier']} / {r['model']}", r) for r in report["by_tier_model"]]
     out += ["-" * len(head), _row("all", report["total"]), ""]
     out.append(f"lines not replayed (no tier, model or family): {report['skipped_lines']}")

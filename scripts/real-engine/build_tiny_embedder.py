@@ -31,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -I`
 sys.dont_write_bytecode = True  # no __pycache__ in the clone
 
-from build_tiny_model import CHAT_TEMPLATE, build_tokenizer  # noqa: E402
+from build_tiny_model import CHAT_TEMPLATE, build_tokenizer, llama_config  # noqa: E402
 
 EOS = "<|endoftext|>"  # appended to every encoded text; the pooled (last) token
 
@@ -80,7 +80,7 @@ def main():
 
     import torch
     from tokenizers import processors
-    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+    from transformers import LlamaModel, PreTrainedTokenizerFast
 
     dims = [int(d) for d in a.matryoshka.split(",") if d.strip()]
     if any(not 1 <= d <= a.hidden for d in dims):
@@ -112,22 +112,7 @@ def main():
 
     vocab = len(tok)
     torch.manual_seed(a.seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.hidden * 2,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        max_position_embeddings=a.max_pos,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        torch_dtype="bfloat16",
-    )
+    cfg = llama_config(a, vocab, eos_id, eos_id)
     model = LlamaModel(cfg)
     with torch.no_grad():
         # nn.Embedding zeroes its padding_idx row (pad = <|endoftext|>), but that is the token

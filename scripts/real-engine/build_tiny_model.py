@@ -107,7 +107,7 @@ def main():
     a = ap.parse_args()
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     os.makedirs(a.out, exist_ok=True)
     raw = build_tokenizer(a.vocab, ascii_only=not a.full_byte_vocab)
@@ -136,22 +136,7 @@ def main():
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     bos_id = tok.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(a.seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.hidden * 2,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        max_position_embeddings=a.max_pos,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=bos_id,
-        torch_dtype="bfloat16",
-    )
+    cfg = llama_config(a, vocab, bos_id, eos_id)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.generation_config.bos_token_id = bos_id
     model.generation_config.eos_token_id = eos_id
@@ -172,6 +157,28 @@ def main():
         "prompt_ids": list(ids)[:32],
         "files": sorted(os.listdir(a.out)),
     }))
+
+
+def llama_config(a, vocab, bos_id, eos_id):
+    """The tiny Llama's shape (also build_tiny_embedder.py's): bf16, pad = BOS."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.hidden * 2,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=a.max_pos,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=bos_id,
+        torch_dtype="bfloat16",
+    )
 
 
 if __name__ == "__main__":

@@ -360,6 +360,7 @@ def backend_view(backend: Backend) -> dict[str, Any]:
     return {
         "name": backend.name,
         "kind": backend.spec.kind,
+        "family": backend.spec.serves,
         "url": backend.base_url,
         "models": list(backend.spec.models),
         "supervised": backend.supervised,
@@ -372,7 +373,8 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "restarts": record.restarts if record is not None else 0,
         "pid": record.pid if record is not None else None,
         "last_probe": {"kind": last[0].value, "ok": last[1]} if last is not None else None,
-        "max_model_len": dict(backend.max_model_len),  # as the engine reports it (vLLM)
+        "max_model_len": dict(backend.max_model_len),  # as the engine reports it (vLLM, TEI)
+        "batch_inputs": backend.batch_inputs,  # TEI: the inputs one request may carry
         # The engine's own load as the master last read it (null: not vLLM/TGI, or stale).
         "engine": None if load is None else {
             "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv,

@@ -19,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
+from proxy.appkeys import ROUTER
 from proxy.credits.ledger import Ledger
 from proxy.store.redis_process import RedisProcess
 from tests.support.accounts import new_key
@@ -184,7 +185,10 @@ async def test_vllm_pooling_and_the_vector_encodings(stack: StackFactory) -> Non
 
 
 async def test_inputs_beyond_a_servers_batch_go_in_batches(stack: StackFactory) -> None:
-    s = await stack(tei={"max_client_batch_size": 8})
+    s = await stack(tei={"max_client_batch_size": 8, "max_input_length": 64})
+    # Nothing in backends.toml says 8: the prober read it from TEI's /info.
+    tei = next(b for b in s.gateway.app[ROUTER].backends if b.name == "tei-a")
+    assert (tei.batch_inputs, tei.max_model_len) == (8, {TEI_MODEL: 64})
     key = await s.key("max", "acct-b")
     texts = [f"text number {i}" for i in range(19)]
     async with s.client(key) as ai:

@@ -5,6 +5,8 @@ what its tiers would have, and says why and whom it hits."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import openai
 import orjson
 from redis.asyncio import Redis
 
+from proxy.cli import main
 from proxy.credits.ledger import Ledger
 from proxy.store.redis_process import RedisProcess
 from tests.support.accounts import new_key
@@ -45,15 +48,22 @@ cached_prompt_per_1k_tokens = 100
 
 
 def cli(log: Path, policies: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The command as an operator runs it (a process of its own)."""
     return subprocess.run([sys.executable, "-m", "proxy", "policy", "replay", "--log", str(log),
                            "--policies", str(policies), *extra],
                           capture_output=True, text=True, timeout=60)
 
 
 def replay(log: Path, policies: Path, *extra: str) -> dict[str, Any]:
-    done = cli(log, policies, "--json", *extra)
-    assert done.returncode == 0, done.stderr
-    report: dict[str, Any] = orjson.loads(done.stdout)
+    """The same command's entry point in this process (`--json`): no interpreter start."""
+    out = io.BytesIO()
+    text = io.TextIOWrapper(out, write_through=True)  # `--json` writes to its buffer
+    with contextlib.redirect_stdout(text):
+        assert main(["policy", "replay", "--log", str(log), "--policies", str(policies),
+                     "--json", *extra]) == 0
+    text.flush()
+    report: dict[str, Any] = orjson.loads(out.getvalue())
+    text.detach()
     return report
 
 

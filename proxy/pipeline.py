@@ -225,9 +225,11 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         raise
 
     ctx = _ctx(request, policies, principal)
+    # Only a request that counts tokens (embeddings) looks up the token windows it counts in.
+    windows = snapshot.token_windows.of(principal.tier, tier, policies.tiers.group_of(
+        pool.model)) if job.worst.prompt_tokens else ()
     meter = app[METERING].units(policies.prices, principal, pool.model, mode, family.name,
-                                ctx.request_id, job.worst, snapshot.token_windows.of(
-                                    principal.tier, tier, policies.tiers.group_of(pool.model)))
+                                ctx.request_id, job.worst, windows)
     result = Result()
     response: web.StreamResponse | None = None
     claimed = False

@@ -59,12 +59,11 @@ def _check_modes(backend: BackendSpec, where: str) -> list[str]:
     if "network" in backend.modes and backend.serves == "embed":
         problems.append(f"{where}.modes: embeddings are direct-only (no two engines' vectors "
                         "are equal to compare)")
-    own = FAMILY_OF_KIND[backend.kind]
-    if backend.family not in (None, own) and not (
-            backend.family == "embed" and backend.kind in EMBED_KINDS):
-        problems.append(f"{where}.family: a {backend.kind!r} backend serves {own!r}"
-                        + (" or 'embed'" if own != "embed" and backend.kind in EMBED_KINDS
-                           else ""))
+    allowed = {FAMILY_OF_KIND[backend.kind]} | ({"embed"} if backend.kind in EMBED_KINDS
+                                                 else set())
+    if backend.family is not None and backend.family not in allowed:
+        problems.append(f"{where}.family: a {backend.kind!r} backend serves "
+                        + " or ".join(map(repr, sorted(allowed))))
     return problems
 
 

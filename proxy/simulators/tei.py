@@ -69,16 +69,20 @@ class Plain(Exception):
         self.status, self.text = status, text
 
 
+def _error_type(exc: HttpError) -> str:
+    """TEI's PascalCase type: the error's own, else its status's (a simulated x-sim-status)."""
+    own = exc.error_type
+    return own if own is not None and own in _TYPES.values() else _TYPES.get(exc.status,
+                                                                               "Backend")
+
+
 def _native_error(exc: HttpError) -> web.Response:
-    kind = exc.error_type if exc.error_type in _TYPES.values() else \
-        _TYPES.get(exc.status, "Backend")
-    return _json({"error": exc.message, "error_type": kind}, exc.status)
+    return _json({"error": exc.message, "error_type": _error_type(exc)}, exc.status)
 
 
 def _openai_error(exc: HttpError) -> web.Response:
-    kind = exc.error_type if exc.error_type in _TYPES.values() else \
-        _TYPES.get(exc.status, "Backend")
-    return _json({"message": exc.message, "code": exc.status, "type": kind}, exc.status)
+    return _json({"message": exc.message, "code": exc.status, "type": _error_type(exc)},
+                 exc.status)
 
 
 def _json(body: object, status: int = 200) -> web.Response:

@@ -2,7 +2,7 @@
 
     python -m loadtests.paired BASE [--rounds 10] [--slice 2] [--rate 1000] [--keys 200]
                                     [--mock auto|nginx|simulator] [--limits [tokens|budgets]]
-                                    [--tracing RATIO] [--json PATH]
+                                    [--tracing RATIO] [--shadow] [--json PATH]
 
 Whole runs of `loadtests.bench` wander at the median on a shared 2-core machine (~0.05 ms, more
 on a busy day), as much as most changes move it. Here both gateways run at once, each as the
@@ -18,7 +18,9 @@ and a budget on each account (never binding, so their whole path runs), not the 
 BASE = HEAD, what turning them on costs. The keys are made by this checkout's code, so the
 base must share its key and ledger formats. `--tracing RATIO` turns this gateway's traces on
 ([telemetry], sampling RATIO of requests, exported to the upstream mock's OTLP sink): with
-BASE = HEAD, what tracing costs.
+BASE = HEAD, what tracing costs. `--shadow` gives this gateway shadow policies (its tier with
+token limits, other prices; never binding) judging every request: with BASE = HEAD, what a
+shadow set costs.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the upstream mock (default: nginx when installed)")
     p.add_argument("--limits", nargs="?", const="both", choices=("tokens", "budgets", "both"),
                    help="this gateway only: token limits and/or budgets on (never binding)")
+    p.add_argument("--shadow", action="store_true",
+                   help="this gateway only: shadow policies judge every request")
     p.add_argument("--tracing", type=float, metavar="RATIO",
                    help="this gateway only: traces on, sampling RATIO (0-1) of requests")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON")
@@ -187,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     os.sched_setaffinity(0, cores)
                 setup = bench.start_servers(bench_args, stack, root=root,
                                             limits=args.limits if name == "this" else None,
-                                            tracing=args.tracing if name == "this" else None)
+                                            tracing=args.tracing if name == "this" else None,
+                                            shadow=args.shadow and name == "this")
                 targets.setdefault("direct", setup.targets[0])
                 targets[name] = setup.targets[1]
                 if setup.worker_pid:

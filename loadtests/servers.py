@@ -186,11 +186,13 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
                          ledger_fsync: str = "always", access_log: str = "stderr",
                          routing: Mapping[str, str | float] | None = None,
                          limits: bool = False, traces_to: str | None = None,
-                         sample_ratio: float = 1.0) -> Path:
+                         sample_ratio: float = 1.0, shadow: bool = False) -> Path:
     """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic
     strings, which quotes paths and URLs safely); `routing`: its [routing] section, if any;
     `limits`: the bench tier has token limits too (never binding: their whole path runs);
-    `traces_to`: tracing on ([telemetry]), exporting there, keeping `sample_ratio` of them."""
+    `traces_to`: tracing on ([telemetry]), exporting there, keeping `sample_ratio` of them;
+    `shadow`: shadow policies (policies/shadow/) judge every request: the tier with token
+    limits and other prices, never binding."""
     q = json.dumps
     folder.mkdir(parents=True, exist_ok=True)
     text = ("[gateway]\n"
@@ -228,6 +230,15 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
         'version = "bench"\n\n[default]\nprompt_per_1k_tokens = 100\n'
         "completion_per_1k_tokens = 300\n"
     )
+    if shadow:
+        (policies / "shadow").mkdir(exist_ok=True)
+        (policies / "shadow" / "tiers.toml").write_text(
+            (policies / "tiers.toml").read_text().replace(
+                "requests_per_minute = 1000000", "requests_per_minute = 900000")
+            + ("" if limits else "tokens_per_minute = 10000000000\ntokens_per_day = "
+               "1000000000000\n"))
+        (policies / "shadow" / "prices.toml").write_text(
+            (policies / "prices.toml").read_text().replace("= 300", "= 250"))
     return folder
 
 

@@ -21,11 +21,22 @@ from aiohttp import web
 from aiohttp.abc import AbstractResolver
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
-from redis.asyncio import RedisCluster
 from redis.exceptions import RedisError
 
-from proxy.api import account, admin, dashboard, models, ollama_discovery, openapi, tasks
+from proxy.api import (
+    account,
+    admin,
+    console,
+    dashboard,
+    models,
+    ollama_discovery,
+    openapi,
+    probes,
+    shadow_view,
+    tasks,
+)
 from proxy.api import route_docs as docs
+from proxy.api.fleet_tally import TALLY, FleetTally
 from proxy.api.middleware import gateway_middleware
 from proxy.api.scrape import metrics
 from proxy.appkeys import (
@@ -47,6 +58,7 @@ from proxy.appkeys import (
     ROUTE_STYLES,
     ROUTER,
     SETTLER,
+    SHADOW,
     TASKS,
     TRACING,
     UPSTREAMS,
@@ -59,6 +71,7 @@ from proxy.credits.idempotency import Keeper
 from proxy.credits.ledger import Ledger
 from proxy.credits.meter import Metering
 from proxy.credits.settler import Settler
+from proxy.credits.shadow_windows import ShadowWindows
 from proxy.credits.webhooks import Sender
 from proxy.families.embeddings import EMBEDDINGS
 from proxy.families.providers import IMAGE, VIDEO
@@ -71,6 +84,7 @@ from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics import Labels, Metrics, flush_metrics
 from proxy.pipeline import chat_route, queued, task_route
 from proxy.policy.live import RELOADS, LivePolicies
+from proxy.policy.shadowing import Shadow
 from proxy.store.background import stop_task
 from proxy.store.client import Store, connect_redis, rate_limit_redis_url
 from proxy.store.lease import Lease
@@ -103,35 +117,6 @@ class Route(NamedTuple):
     handler: Handler
     doc: openapi.Doc
     style: ChatStyle | None = None  # whose shape its errors take (None: the gateway's own)
-
-
-async def healthz(request: web.Request) -> web.Response:
-    """Alive: the process answers."""
-    return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    """Ready: not draining, the state store and the rate-limit store answer (one Redis or two),
-    and a backend may take traffic."""
-    checks: dict[str, bool] = {"accepting": not request.app[DRAIN].draining}
-    checks["redis"], checks["rate_limit_redis"] = await asyncio.gather(
-        _answers(request.app[REDIS]), _answers(request.app[COUNTERS]))
-    # Supervised and ready (if supervised), probes fine, not ejected: see Backend.healthy.
-    checks["backends"] = any(b.healthy for b in request.app[ROUTER].backends)
-    ready = all(checks.values())
-    body = {"status": "ready" if ready else "not ready", "checks": checks}
-    return web.json_response(body, status=200 if ready else 503)
-
-
-async def _answers(redis: Store) -> bool:
-    """The store answers: its one server, or every primary of a Cluster (replicas do not
-    serve requests, so one that is down does not make the gateway unready)."""
-    try:
-        if isinstance(redis, RedisCluster):
-            return bool(await redis.ping(target_nodes=RedisCluster.PRIMARIES))
-        return bool(await redis.ping())
-    except Exception:  # any failure to reach the store means not ready; its text is not public
-        return False
 
 
 _NATIVE = "/v2/native"  # where Ollama clients point `host`
@@ -188,9 +173,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{_NATIVE}/", ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
     Route("GET", _NATIVE, ollama_discovery.root, docs.OLLAMA_ROOT, _OLLAMA),
     Route("GET", "/v2/openapi.json", openapi.document, docs.OPENAPI),
-    Route("GET", "/healthz", healthz, docs.HEALTHZ),
+    Route("GET", "/healthz", probes.healthz, docs.HEALTHZ),
     Route("GET", "/metrics", metrics, docs.METRICS),
-    Route("GET", "/readyz", readyz, docs.READYZ),
+    Route("GET", "/readyz", probes.readyz, docs.READYZ),
     # Operators.
     Route("POST", "/admin/keys", admin.create_key, docs.ADMIN_CREATE_KEY),
     Route("GET", "/admin/keys", admin.list_keys, docs.ADMIN_LIST_KEYS),
@@ -206,6 +191,13 @@ ROUTES: tuple[Route, ...] = (
           docs.ADMIN_REMOVE_WEBHOOK),
     Route("POST", "/admin/reload", admin.reload_policies, docs.ADMIN_RELOAD),
     Route("GET", "/admin/backends", admin.list_backends, docs.ADMIN_BACKENDS),
+    Route("GET", "/admin/shadow", shadow_view.show_shadow, docs.ADMIN_SHADOW),
+    Route("GET", "/admin/overview", console.overview, docs.ADMIN_OVERVIEW),
+    # The operators' console (and its files): it reads the admin routes above.
+    Route("GET", "/admin/console", console.page, console.PAGE_DOC),
+    Route("GET", "/admin/console/app.js", console.script, console.SCRIPT_DOC),
+    Route("GET", "/admin/console/style.css", console.style, console.STYLE_DOC),
+    Route("GET", "/admin/console/icon.svg", console.icon, console.ICON_DOC),
 )
 
 def openapi_document() -> dict[str, Any]:
@@ -281,6 +273,7 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         counters_url = rate_limit_redis_url(config, redis_url)
         app[COUNTERS] = connect_redis(counters_url, timeout_s=1.0) \
             if counters_url != redis_url else app[REDIS]
+        app[TALLY] = FleetTally(app[REDIS], app[METRICS])  # the console's figures, fleet-wide
         app[KEYSTORE] = KeyStore(app[REDIS], config.policies.auth.keys)
         with contextlib.suppress(RedisError):  # else read at the first sealed key's lookup
             await app[KEYSTORE].read_seal()
@@ -295,24 +288,30 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
         app[KEEPER] = Keeper(app[SETTLER], app[MEDIA])
         app[METERING] = Metering(app[ADMITTER], app[SETTLER], app[LEDGER].settle_script,
                                  app[METRICS])
+        app[SHADOW] = Shadow(ShadowWindows(app[LEDGER], app[COUNTERS]), app[REDIS],
+                             app[METRICS], app[ACCESS_LOG])
         # Revocations are pushed to every worker at once; the cache TTL is only a backstop.
         # Policy reloads asked of any worker reach every worker over the same connection.
         notices = {RELOADS: app[LIVE].on_notice}
         tasks = [asyncio.create_task(app[KEYSTORE].listen_for_revocations(notices)),
                  asyncio.create_task(sweep_holds(app)),
                  asyncio.create_task(app[SETTLER].run()),
-                 asyncio.create_task(sweep_media(app[MEDIA], app[REDIS]))]
+                 asyncio.create_task(sweep_media(app[MEDIA], app[REDIS])),
+                 asyncio.create_task(app[SHADOW].run()),
+                 asyncio.create_task(app[TALLY].run())]
         alerts = Sender(app[REDIS], config.alerts)  # delivers alerts where it holds the lease
         tasks.append(asyncio.create_task(alerts.run()))
         yield
         for task in tasks:
             await stop_task(task)
         await alerts.close()
+        await app[SHADOW].close()
         await app[ADMITTER].close()
         await app[KEEPER].close(timeout_s=5)
         await app[SETTLER].drain(timeout_s=5)  # what is queued lands before the store goes
         await app[LEDGER].close()
         await app[MEDIA].close()
+        await app[TALLY].flush()  # what the last second noted
         await app[REDIS].aclose()
         if app[COUNTERS] is not app[REDIS]:
             await app[COUNTERS].aclose()

@@ -21,6 +21,7 @@ from proxy.identity.keystore import KeyStore
 from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics import Metrics
 from proxy.policy.live import LivePolicies
+from proxy.policy.shadowing import Shadow
 from proxy.store.client import Store
 from proxy.styles.base import ChatStyle
 from proxy.tasks.store import TaskStore
@@ -53,6 +54,7 @@ TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue
 MEDIA = web.AppKey("media", MediaStore)  # their audio, images and video (never in the ledger)
 METRICS = web.AppKey("metrics", Metrics)  # this process's Prometheus metrics
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
+SHADOW = web.AppKey("shadow", Shadow)  # judges requests by the shadow policies, if any
 TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")  # None: [telemetry] not set
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the middleware

@@ -105,7 +105,8 @@ def _check_config(args: argparse.Namespace) -> int:
     config = _load(args)
     if config is None:
         return 1
-    print(f"ok: {len(config.backends)} backend(s), config folder {config.root}")
+    shadow = f"; shadow policies: {', '.join(config.shadow.files)}" if config.shadow else ""
+    print(f"ok: {len(config.backends)} backend(s), config folder {config.root}{shadow}")
     return 0
 
 
@@ -117,7 +118,11 @@ def _policy_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     command.add_argument("--log", action="append", required=True, metavar="FILE",
                         help="an access log (JSON lines; '-' for stdin), repeatable")
     command.add_argument("--policies", required=True, metavar="DIR",
-                        help="the candidate policies folder (tiers.toml, prices.toml, ...)")
+                        help="the candidate policies folder (tiers.toml, prices.toml, ...; "
+                        "a file it lacks is the live one, from --config)")
+    command.add_argument("--config", default=".", metavar="DIR",
+                        help="the gateway's config folder, whose policies/ fills in what the "
+                        "candidate lacks (default: the current folder)")
     command.add_argument("--since", type=_moment, metavar="TIME",
                         help="only requests from this time (ISO 8601, e.g. 2026-11-27T00:00Z, "
                         "or Unix seconds)")
@@ -150,7 +155,7 @@ def _lines(paths: list[str]) -> Iterator[bytes]:
 
 def _replay(args: argparse.Namespace) -> int:
     try:
-        policies = load_policies(args.policies)
+        policies = load_policies(args.policies, Path(args.config) / "policies")
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)

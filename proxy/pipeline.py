@@ -69,6 +69,8 @@ from proxy.http.body import parse_json_object, read_capped
 from proxy.identity.principal import Principal
 from proxy.observe.trace import CURRENT, OPERATIONS, TRACE, Trace
 from proxy.outcome import Outcome
+from proxy.policy.live import PolicySnapshot
+from proxy.policy.shadowing import SHADOWED, Shadowed
 from proxy.policy.tiers import check_access, check_queue_budget, completion_cap, tier_of
 from proxy.styles.base import ChatStyle
 from proxy.tasks.network import choose_mode, network_answer, network_chat
@@ -106,7 +108,7 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
     policies = snapshot.policies
     began = time.monotonic()
     principal = await snapshot.auth.principal(request.headers, request.remote)
-    _traced(request, principal, began, "chat")
+    _traced(request, snapshot, principal, began, "chat")
     tier = tier_of(policies.tiers, principal.tier)
     router = app[ROUTER]
     try:
@@ -118,10 +120,11 @@ async def chat(request: web.Request, style: ChatStyle) -> web.StreamResponse:
                                 exact=style.name in ("openai", "served"))
         mode = choose_mode(router, "chat", call.model, call.mode, stream=call.stream)
         router.require("chat", call.model)  # 404: no such chat model, before access
-        request[TRACE].model, request[TRACE].mode = call.model, mode
+        trace = request[TRACE]
+        trace.model, trace.mode, trace.asked_tokens = call.model, mode, call.max_tokens
         check_access(policies.tiers, principal.tier, family="chat", model=call.model, mode=mode)
         pool = router.pool("chat", call.model, mode)  # 404: not offered in that mode
-        _push_back(pool, tier, principal.tier)  # 503 while its engines queue past the budget
+        _push_back(request, pool, tier, principal.tier)  # 503: its engines queue past budget
         context = pool.context_limit()  # the engines' own limit (read by the prober)
         chat_family.check_context(call, context)
         cap = completion_cap(tier, principal.tier, call.max_tokens)
@@ -200,7 +203,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
     policies = snapshot.policies
     began = time.monotonic()
     principal = await snapshot.auth.principal(request.headers, request.remote)
-    _traced(request, principal, began, family.name)
+    _traced(request, snapshot, principal, began, family.name)
     tier = tier_of(policies.tiers, principal.tier)
     router = app[ROUTER]
     try:
@@ -218,7 +221,7 @@ async def task(request: web.Request, family: Family) -> web.StreamResponse:
         if model is None:
             check_access(policies.tiers, principal.tier, family=family.name, model=pool.model,
                          mode=mode)
-        _push_back(pool, tier, principal.tier)
+        _push_back(request, pool, tier, principal.tier)
         claim = idempotency.claim_for(principal.account, request.path, request.headers, body)
     except GatewayError:
         await _count_refused(request, principal, tier)
@@ -312,9 +315,12 @@ def _ctx(request: web.Request, policies: Policies, principal: Principal) -> Ctx:
                                            principal.account))
 
 
-def _traced(request: web.Request, principal: Principal, began: float, family: str) -> None:
+def _traced(request: web.Request, snapshot: PolicySnapshot, principal: Principal, began: float,
+            family: str) -> None:
     """Who is calling and for what, on the request's trace; the auth step (from `began`)
-    timed."""
+    timed. With shadow policies, the request is one they judge once it has ended."""
+    if snapshot.shadow is not None:
+        request[SHADOWED] = Shadowed(snapshot.shadow, principal)
     trace = request[TRACE]
     trace.stage("auth", began)
     trace.operation = OPERATIONS.get(family)
@@ -327,10 +333,13 @@ def _traced(request: web.Request, principal: Principal, began: float, family: st
 async def _admit(request: web.Request, meter: Meter, tier: TierPolicy) -> Window:
     """Admission (rate and token limits + the hold: one Redis step), timed on the trace."""
     began = time.monotonic()
+    trace = request[TRACE]
     try:
-        return await meter.admit(tier)
+        window = await meter.admit(tier)
     finally:
-        request[TRACE].stage("admission", began)
+        trace.stage("admission", began)
+    trace.admitted = True
+    return window
 
 
 def _reply_headers(request: web.Request, task_id: str) -> dict[str, str]:
@@ -339,12 +348,14 @@ def _reply_headers(request: web.Request, task_id: str) -> dict[str, str]:
             "X-Task-Id": task_id}
 
 
-def _push_back(pool: Pool, tier: TierPolicy, tier_name: str) -> None:
-    """The tier's queue budget against the engines' own queues (their fresh figures only)."""
-    if tier.queue_budget is None:
+def _push_back(request: web.Request, pool: Pool, tier: TierPolicy, tier_name: str) -> None:
+    """The tier's queue budget against the engines' own queues (their fresh figures only;
+    kept on the trace for a shadow policy's budget)."""
+    if tier.queue_budget is None and SHADOWED not in request:
         return
     saturation = pool.saturation(time.time())
     if saturation is not None:
+        request[TRACE].waiting = saturation.waiting_per_replica
         check_queue_budget(tier, tier_name, pool.model, saturation.waiting_per_replica,
                            saturation.retry_after_s)
 

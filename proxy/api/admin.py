@@ -255,12 +255,9 @@ async def list_alerts(request: web.Request) -> web.Response:
     """The account's newest alerts (`?limit=`, at most 100) and each endpoint's delivery."""
     await require_admin(request)
     account_id = _account_id(request)
-    limit = request.query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise validation_failed([{"loc": ["query", "limit"], "msg": "an integer 1-100",
-                                  "type": "int_parsing"}])
+    limit = query_count(request, "limit", 20, 100)
     try:
-        alerts = await Webhooks(request.app[REDIS]).alerts(account_id, int(limit))
+        alerts = await Webhooks(request.app[REDIS]).alerts(account_id, limit)
     except RedisError:
         raise store_unavailable("credit store") from None
     return _json({"object": "list", "data": [
@@ -298,6 +295,20 @@ async def remove_webhook(request: web.Request) -> web.Response:
     if removed is None:
         raise GatewayError(ErrorKind.NOT_FOUND, "no such webhook endpoint")
     return _json(_endpoint(removed))
+
+
+_COUNT = re.compile(r"[0-9]{1,3}")  # ASCII digits only, and few: int() of them is safe
+
+
+def query_count(request: web.Request, name: str, default: int, most: int) -> int:
+    """A `?name=N` count, 1 to `most` (`default` when absent); 422 otherwise."""
+    text = request.query.get(name)
+    if text is None:
+        return default
+    if not (_COUNT.fullmatch(text) and 1 <= int(text) <= most):
+        raise validation_failed([{"loc": ["query", name], "msg": f"an integer 1-{most}",
+                                  "type": "int_parsing"}])
+    return int(text)
 
 
 def _account_id(request: web.Request) -> str:

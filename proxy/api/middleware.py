@@ -9,6 +9,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import RedisClusterException, RedisError
 
+from proxy.api.fleet_tally import TALLY
 from proxy.appkeys import (
     ACCESS_LOG,
     DRAIN,
@@ -16,6 +17,7 @@ from proxy.appkeys import (
     REQUEST_ID,
     RESPONSE_HEADERS,
     ROUTE_STYLES,
+    SHADOW,
     STYLE,
     TRACING,
 )
@@ -23,6 +25,7 @@ from proxy.errors import ErrorKind, GatewayError, store_unavailable
 from proxy.headers import request_id_from
 from proxy.ids import hex_id
 from proxy.observe.trace import CURRENT, TRACE, Trace
+from proxy.policy.shadowing import SHADOWED
 
 log = logging.getLogger("proxy")
 
@@ -63,7 +66,20 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
             tracing.finish(trace, status, request.method)
         metrics.answered(trace, status)
         if logged:
-            request.app[ACCESS_LOG].write(request, trace, status, request_id)
+            request.app[TALLY].note(trace, status, request_id)
+            _log(request, trace, status, request_id)
+
+
+def _log(request: web.Request, trace: Trace, status: int, request_id: str) -> None:
+    """The request's access-log line; a request shadow policies judge gets it with their
+    verdict, a moment later (proxy.policy.shadowing)."""
+    access_log = request.app[ACCESS_LOG]
+    line = access_log.line(request, trace, status, request_id)
+    shadowed = request.get(SHADOWED)
+    if shadowed is not None and request.app[SHADOW].judge(shadowed, trace, status, line):
+        return
+    if line is not None:
+        access_log.put(line)
 
 
 async def _answer(request: web.Request, handler: Handler, request_id: str,

@@ -68,6 +68,46 @@ class Reloaded(msgspec.Struct, kw_only=True):
     version: int
 
 
+class TopSpender(msgspec.Struct, kw_only=True):
+    account: str
+    credits: Annotated[str, Meta(description="Decimal credits, 6 places")]
+    micro_credits: int
+
+
+class TopRefused(msgspec.Struct, kw_only=True):
+    account: str
+    refusals: Annotated[int, Meta(description="Answers 402, 403, 429 and 503 pool_saturated")]
+
+
+class ErrorCount(msgspec.Struct, kw_only=True):
+    count: int
+    status: Annotated[int, Meta(description="The status it was answered with (most often)")]
+
+
+class RecentError(msgspec.Struct, kw_only=True):
+    ts: Annotated[float, Meta(description="Unix time of the answer")]
+    status: int
+    type: str
+    route: Annotated[str, Meta(description="The route's template (\"unmatched\": none)")]
+    model: Annotated[str | None, Meta(description="A model the router knows, once known")]
+    request_id: Annotated[str, Meta(description="The answer's X-Request-Id")]
+
+
+class ErrorsSeen(msgspec.Struct, kw_only=True):
+    window_s: int
+    by_type: Annotated[dict[str, ErrorCount], Meta(
+        description="Error answers in the window by error type, most first")]
+    recent: Annotated[list[RecentError], Meta(description="The last 50, newest first")]
+
+
+class Overview(msgspec.Struct, kw_only=True):
+    window_s: Annotated[int, Meta(description="What the top lists sum: this UTC hour and the "
+                                              "23 before it")]
+    top_spend: list[TopSpender]
+    top_refused: list[TopRefused]
+    errors: Annotated[ErrorsSeen, Meta(description="This minute and the 59 before it")]
+
+
 class Balance(msgspec.Struct, kw_only=True):
     available: Money
     held: Money

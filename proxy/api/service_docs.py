@@ -12,6 +12,7 @@ from typing import Final
 
 from proxy.api.account import ENTRY_ID_PATTERN, PAGE_MAX
 from proxy.api.admin import AlertBody, BudgetBody, CreateKeyBody, CreditBody, WebhookBody
+from proxy.api.console import TOP_DEFAULT, TOP_MAX
 from proxy.api.doc_types import (
     ADMIN,
     EXAMPLE_MODEL,
@@ -43,6 +44,7 @@ from proxy.api.response_bodies import (
     ModelList,
     OllamaModels,
     OllamaVersion,
+    Overview,
     Ready,
     Reloaded,
     TaskRecord,
@@ -219,6 +221,18 @@ ADMIN_RELOAD: Final = Doc(
                                           "(validation_error)", body=ErrorBody)})
 ADMIN_BACKENDS: Final = _admin("Backends: state, health and load as this worker sees them",
                                Response("Backends", JSONObject))
+ADMIN_OVERVIEW: Final = _admin(
+    "Every worker's and gateway's tallies: the top accounts by spend and by refusals (24 h), "
+    "errors by type (1 h), the last 50 errors", Response("The overview", Overview), 422, 503,
+    params=(("query", Param("top", {"type": "integer", "minimum": 1, "maximum": TOP_MAX},
+                            f"How many accounts each list holds ({TOP_DEFAULT} by default)")),),
+    when={422: f"`top` is not an integer 1-{TOP_MAX} (validation_error)",
+          503: "The state store is unreachable"})
+ADMIN_SHADOW: Final = _admin(
+    "The tiers as the live and the shadow policies (policies/shadow/) set them, and what the "
+    "shadow decided since it was loaded (every worker and gateway)",
+    Response("Live and shadow", JSONObject), 503,
+    when={503: "The store holding the shadow's tallies is unreachable"})
 
 
 def _ollama(summary: str, ok: Response, *statuses: int, request: object = None) -> Doc:

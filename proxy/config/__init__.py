@@ -32,7 +32,14 @@ from proxy.config.backends import (
     UpstreamSection,
     Weight,
 )
-from proxy.config.loader import Config, ConfigError, load_config, load_policies
+from proxy.config.loader import (
+    SHADOW_FILES,
+    Config,
+    ConfigError,
+    ShadowPolicies,
+    load_config,
+    load_policies,
+)
 from proxy.config.policies import (
     ANY_GROUP,
     POLICY_FILES,
@@ -84,6 +91,7 @@ __all__ = [
     "EMBED_KINDS",
     "FAMILY_OF_KIND",
     "POLICY_FILES",
+    "SHADOW_FILES",
     "STANDARD_GROUP",
     "VOICE_PRESETS",
     "AlertsSection",
@@ -123,6 +131,7 @@ __all__ = [
     "Seconds",
     "Section",
     "ServerSection",
+    "ShadowPolicies",
     "SupervisorSection",
     "TasksPolicy",
     "TelemetrySection",

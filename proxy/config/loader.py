@@ -4,6 +4,7 @@ one frozen `Config`; or a `ConfigError` listing every problem as `file: key: mes
 
 from __future__ import annotations
 
+import hashlib
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,10 +52,27 @@ class Config(Section, frozen=True):
     telemetry: TelemetrySection | None
     backends: tuple[BackendSpec, ...]
     policies: Policies
+    shadow: ShadowPolicies | None = None  # policies/shadow/, when it holds any file
 
     @property
     def data_dir(self) -> Path:
         return Path(self.root) / self.gateway.data_dir
+
+
+# What a shadow set may change: the files whose decisions it judges (access, limits, queue
+# budgets, prices). Identity and request caps are the live ones' alone.
+SHADOW_FILES = ("tiers.toml", "prices.toml")
+
+
+class ShadowPolicies(Section, frozen=True):
+    """policies/shadow/: a candidate tiers.toml and/or prices.toml, judged on every request
+    beside the live ones and never enforced (proxy.policy.shadow); a file it lacks is the live
+    one."""
+
+    policies: Policies
+    files: tuple[str, ...]
+    # Of the live and the shadow tiers and prices: a change to either starts new tallies.
+    fingerprint: str
 
 
 class ConfigError(Exception):
@@ -93,6 +111,11 @@ def load_config(folder: str | Path = ".") -> Config:
     if backends is not None:
         problems.extend(check_request_life(backends.upstream,
                                             policies.get("prices", PricesPolicy())))
+    live = Policies(**policies)
+    shadow = _shadow(root / "policies" / "shadow", live, problems)
+    if backends is not None and shadow is not None and "prices.toml" in shadow.files:
+        problems.extend(f"policies/shadow/{p.removeprefix('policies/')}" for p in
+                        check_request_life(backends.upstream, shadow.policies.prices))
     if problems or backends is None:
         raise ConfigError(problems)
     return Config(
@@ -107,21 +130,53 @@ def load_config(folder: str | Path = ".") -> Config:
         alerts=backends.alerts,
         telemetry=backends.telemetry,
         backends=tuple(backends.backends),
-        policies=Policies(**policies),
+        policies=live,
+        shadow=shadow,
     )
 
 
-def load_policies(folder: str | Path) -> Policies:
+def load_policies(folder: str | Path, under: str | Path | None = None) -> Policies:
     """A policies folder alone (a candidate set for `policy replay`): the files and the rules
-    within them, as `load_config` checks them; ConfigError lists every fault."""
+    within them, as `load_config` checks them; a file it lacks is `under`'s (a live policies
+    folder, e.g. for a shadow set), if that folder exists, else the defaults. ConfigError
+    lists every fault."""
     problems: list[str] = []
     root = Path(folder).resolve()
     if not root.is_dir():
         raise ConfigError([f"{folder}: not a folder of policy files"])
     policies = _policy_files(root, problems)
+    if under is not None and Path(under).is_dir() and Path(under).resolve() != root:
+        policies = {**_policy_files(Path(under), problems), **policies}
     if problems:
         raise ConfigError(problems)
     return Policies(**policies)
+
+
+def _shadow(folder: Path, live: Policies, problems: list[str]) -> ShadowPolicies | None:
+    """policies/shadow/ over the live policies; None when it holds no policy file."""
+    if not folder.is_dir():
+        return None
+    found: dict[str, Any] = {}
+    files = []
+    for path in sorted(folder.glob("*.toml")):
+        label = f"policies/shadow/{path.name}"
+        if path.name not in SHADOW_FILES:
+            problems.append(f"{label}: a shadow set holds only {' and '.join(SHADOW_FILES)} "
+                            f"(what it judges: access, limits, queue budgets, prices); "
+                            f"{path.name} is the live policies' alone")
+            continue
+        loaded = _load_file(path, label, POLICY_FILES[path.name], problems)
+        if loaded is not None:
+            found[path.stem] = loaded
+            files.append(path.name)
+    if "tiers" in found:
+        problems.extend(f"policies/shadow/{p.removeprefix('policies/')}"
+                        for p in check_tiers(found["tiers"]))
+    if not files:
+        return None
+    shadow = msgspec.structs.replace(live, **found)
+    both = msgspec.json.encode((live.tiers, live.prices, shadow.tiers, shadow.prices))
+    return ShadowPolicies(shadow, tuple(files), hashlib.sha256(both).hexdigest()[:16])
 
 
 def _policy_files(folder: Path, problems: list[str]) -> dict[str, Any]:

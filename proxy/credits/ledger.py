@@ -100,6 +100,14 @@ class AccountKeys:
         (proxy.credits.token_windows)."""
         return self.balance[:-3] + f"tk:{tier}:{suffix}"
 
+    def shadow_window(self, tier: str) -> str:
+        """The shadow policy's request window (proxy.policy.shadow)."""
+        return self.balance[:-3] + f"srl:{tier}"
+
+    def shadow_tokens(self, tier: str, suffix: str) -> str:
+        """A shadow token window's buckets."""
+        return self.balance[:-3] + f"stk:{tier}:{suffix}"
+
     def reservation(self, request_id: str) -> str:
         """What a request reserved in the token windows, until its settlement."""
         return self.balance[:-3] + f"tkr:{request_id}"

@@ -263,7 +263,7 @@ class Meter:
             if self.cached_tokens:  # the log's copy: what a replay reprices them at
                 trace.units = {**trace.units, "cached_tokens": self.cached_tokens}
             if cost:
-                trace.credits = format_credits(cost)
+                trace.credits, trace.charged = format_credits(cost), cost
             trace.stage("settlement", began, {"igw.outcome": str(result.status)})
 
     def _priced(self, result: Result) -> tuple[int, dict[str, int], dict[str, object]]:

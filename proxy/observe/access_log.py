@@ -71,6 +71,12 @@ class AccessLog:
             self._thread = None
 
     def write(self, request: web.Request, trace: Trace, status: int, request_id: str) -> None:
+        line = self.line(request, trace, status, request_id)
+        if line is not None:
+            self.put(line)
+
+    def put(self, line: dict[str, Any]) -> None:
+        """Queue a line made by `line` (perhaps with more added: a shadow policy's verdict)."""
         if self._thread is None:
             return
         if self._queue.qsize() >= QUEUE_MAX:
@@ -78,6 +84,14 @@ class AccessLog:
             if self._metrics is not None:
                 self._metrics.access_log_dropped.inc()
             return
+        # A copy: orjson hands back its whole 4 KB working buffer (see wire.upstream_body).
+        self._queue.put(bytes(memoryview(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))))
+
+    def line(self, request: web.Request, trace: Trace, status: int, request_id: str
+             ) -> dict[str, Any] | None:
+        """The request's line, as of now (None: the log is off)."""
+        if self._thread is None:
+            return None
         line: dict[str, Any] = {
             "ts": round(time.time(), 3), "request_id": request_id, "method": request.method,
             "route": trace.route, "status": status,
@@ -96,8 +110,7 @@ class AccessLog:
             line["credits"] = trace.credits
         if trace.spans is not None and trace.spans.kept:  # exported: the backend has it
             line["trace_id"] = f"{trace.spans.trace_id:032x}"
-        # A copy: orjson hands back its whole 4 KB working buffer (see wire.upstream_body).
-        self._queue.put(bytes(memoryview(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))))
+        return line
 
     def _run(self, out: _Output) -> None:
         get, get_nowait = self._queue.get, self._queue.get_nowait

@@ -169,6 +169,13 @@ class Metrics:
             "igw_settlements_unreplicated", "Settlement writes that fewer replicas than "
             "`ledger_ack_replicas` confirmed within a second (a failover then could lose them).",
             registry=r)
+        self.shadow_decisions = Counter(
+            "igw_shadow_decisions", "Requests the shadow policies judged, by tier, the live "
+            "decision, the shadow's, and the shadow's reason for a refusal.",
+            ("tier", "live", "shadow", "reason"), registry=r)
+        self.shadow_credits = Counter(
+            "igw_shadow_credits", "Credits the judged requests were charged (`live`) and the "
+            "shadow policies would charge (`shadow`), by tier.", ("tier", "policy"), registry=r)
         # The histograms' buckets as they were made, for `observe` to count into.
         self._histogram_bounds = {id(self.duration): bucket_bounds(LATENCY_BUCKETS),
                                   id(self.first_token): bucket_bounds(FIRST_TOKEN_BUCKETS),
@@ -287,6 +294,15 @@ class Metrics:
 
     def upstream_ended(self, name: str) -> None:
         self.live(self.child(self.backend_in_flight, name), -1)
+
+    def shadow_judged(self, tier: str, live: str, shadow: str, reason: str, live_micro: int,
+                      shadow_micro: int) -> None:
+        tier = self.labels.tier(tier)
+        self.add(self.child(self.shadow_decisions, tier, live, shadow, reason))
+        if live_micro:
+            self.add(self.child(self.shadow_credits, tier, "live"), live_micro / 1e6)
+        if shadow_micro:
+            self.add(self.child(self.shadow_credits, tier, "shadow"), shadow_micro / 1e6)
 
     def settled(self, model: str, tier: str | None, cost_micro: int,
                 units: Mapping[str, int]) -> None:

@@ -93,7 +93,13 @@ class Trace:
     outcome: str | None = None  # a stream's ending (proxy.outcome.Outcome)
     error: str | None = None  # the error type (DESIGN §6) of an error answer
     credits: str | None = None  # what the settlement charges, as the account API writes it
+    charged: int = 0  # the same in micro-credits
     units: dict[str, int] = field(default_factory=dict)  # tokens, characters, ... settled
+    # What a shadow policy judges again (proxy.policy.shadow): whether admission let the
+    # request run, the completion cap it asked for, the engines' queues the budget check read.
+    admitted: bool = False
+    asked_tokens: int | None = None
+    waiting: float | None = None
     finish_reasons: list[str] | None = None  # a chat answer's, as the engine gave them
     # With `capture_content`: the messages sent (JSON) and the answer's text, once known.
     prompt: bytes | None = None

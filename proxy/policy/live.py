@@ -1,4 +1,5 @@
-"""The policies in force, replaced whole on reload (SIGHUP or POST /admin/reload).
+"""The policies in force, replaced whole on reload (SIGHUP or POST /admin/reload), with the
+shadow set beside them (policies/shadow/: loaded, replaced or removed by the same reload).
 
 A request reads `LivePolicies.current` once and uses that snapshot throughout, so a reload never
 mixes two policy versions inside one request and never drops a connection. A bad file is refused
@@ -15,7 +16,7 @@ from pathlib import Path
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from proxy.config import Config, ConfigError, Policies, load_config
+from proxy.config import Config, ConfigError, Policies, ShadowPolicies, load_config
 from proxy.credits.token_windows import WindowsByTier
 from proxy.identity.auth import Authenticator
 from proxy.identity.keystore import KeyStore
@@ -34,6 +35,7 @@ class PolicySnapshot:
     auth: Authenticator
     version: int
     token_windows: WindowsByTier = field(default_factory=WindowsByTier)
+    shadow: ShadowPolicies | None = None  # policies/shadow/: judged beside, never enforced
 
 
 class LivePolicies:
@@ -43,16 +45,17 @@ class LivePolicies:
         self.origin = uuid.uuid4().hex
         # Per-address budget of key lookups that reach Redis; kept across reloads.
         self._key_lookups = MovingWindowRateLimiter(MemoryStorage())
-        self.current = self._snapshot(config.policies, version=1)
+        self.current = self._snapshot(config.policies, config.shadow, version=1)
 
-    def _snapshot(self, policies: Policies, version: int) -> PolicySnapshot:
+    def _snapshot(self, policies: Policies, shadow: ShadowPolicies | None, version: int
+                  ) -> PolicySnapshot:
         jwt = None
         if policies.auth.jwt.algorithms:
             from proxy.identity.jwt import JwtVerifier  # PyJWT only where JWTs are configured
 
             jwt = JwtVerifier(policies.auth.jwt, self._root)
         auth = Authenticator(policies.auth, self._keystore, jwt, self._key_lookups)
-        return PolicySnapshot(policies, auth, version)
+        return PolicySnapshot(policies, auth, version, shadow=shadow)
 
     def on_notice(self, origin: str) -> None:
         if origin != self.origin:
@@ -66,7 +69,7 @@ class LivePolicies:
         """Load policies/ again; on any problem keep the old ones and return the problems."""
         try:
             config = load_config(self._root)
-            snapshot = self._snapshot(config.policies, self.current.version + 1)
+            snapshot = self._snapshot(config.policies, config.shadow, self.current.version + 1)
         except ConfigError as exc:
             log.warning("policy reload refused: %s", "; ".join(exc.problems))
             return exc.problems
@@ -74,5 +77,6 @@ class LivePolicies:
             log.warning("policy reload refused: %s", exc)
             return [f"policies/auth.toml: jwt: {exc}"]
         self.current = snapshot
-        log.info("policies reloaded (version %d)", snapshot.version)
+        log.info("policies reloaded (version %d%s)", snapshot.version,
+                 f", shadow {', '.join(snapshot.shadow.files)}" if snapshot.shadow else "")
         return []

@@ -27,7 +27,7 @@ Deterministic: the same lines and policies give the same report.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +109,16 @@ def read_line(raw: bytes | str) -> Request | None:
 
 def price(rates: Rates, request: Request) -> int:
     """What `request`'s units cost at `rates` (micro-credits; guests nothing)."""
-    if request.tier == GUEST_TIER or not request.units:
+    return price_units(rates, request.tier, request.family, request.units)
+
+
+def price_units(rates: Rates, tier: str, family: str, units: Mapping[str, int]) -> int:
+    """What `units` (as the access log records them) of a `family` request cost at `rates`
+    (micro-credits; guests nothing)."""
+    if tier == GUEST_TIER or not units:
         return 0
-    u = request.units
-    if request.family == "chat":
+    u = units
+    if family == "chat":
         return chat_cost(rates, ChatUsage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
                                           cached_tokens=u.get("cached_tokens", 0)))
     return units_cost(rates, Units(characters=u.get("characters", 0),

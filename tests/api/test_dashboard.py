@@ -8,11 +8,9 @@ Needs `/usr/bin/chromium` (`apt-get install -y chromium`); without it the test f
 
 from __future__ import annotations
 
-import os
 import tomllib
 from collections.abc import AsyncIterator
 from fnmatch import fnmatch
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from playwright.async_api import Browser, ConsoleMessage, Page, Request, async_playwright, expect
+from playwright.async_api import Browser, Page, expect
 from redis.asyncio import Redis
 
 from proxy.api import dashboard
@@ -30,12 +28,12 @@ from proxy.credits.ledger import Ledger
 from proxy.credits.pricing import format_credits
 from proxy.store.redis_process import RedisProcess
 from tests.support.accounts import new_key
+from tests.support.browser import Markup, Watched, launched
 from tests.support.chat import HELLO
 from tests.support.config_files import GENEROUS_TIERS, MODEL
 from tests.support.gateway import GatewayFactory, settled
 from tests.support.upstreams import SimulatorFactory
 
-CHROMIUM = Path("/usr/bin/chromium")
 OTHER_MODEL = "acme/other-chat"
 TTS_MODEL = "acme/csm-1b"
 ASSETS = Path(dashboard.__file__).parent / "dashboard_assets"
@@ -67,54 +65,10 @@ DEFINITIONS_JS = """list => Object.fromEntries([...list.querySelectorAll('dd')].
     dd => [dd.dataset.key, dd.textContent]))"""
 
 
-def chromium() -> str:
-    """Debian's Chromium, or the test fails saying how to install it (never a skip)."""
-    if not CHROMIUM.exists():
-        pytest.fail(f"the dashboard test drives Debian's Chromium, and {CHROMIUM} is missing: "
-                    "install it with `apt-get install -y chromium` (as root)", pytrace=False)
-    return str(CHROMIUM)
-
-
 @pytest.fixture
 async def browser() -> AsyncIterator[Browser]:
-    executable = chromium()
-    async with async_playwright() as playwright:
-        # Chromium refuses to run as root inside its sandbox.
-        args = ["--no-sandbox"] if os.geteuid() == 0 else []
-        launched = await playwright.chromium.launch(executable_path=executable, args=args)
-        try:
-            yield launched
-        finally:
-            await launched.close()
-
-
-class Watched:
-    """What a page asked for, and what went wrong in it."""
-
-    def __init__(self, page: Page) -> None:
-        self.page = page
-        self.urls: list[str] = []
-        self.errors: list[str] = []
-        page.on("request", self._request)
-        page.on("console", self._console)
-        page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
-
-    def _request(self, request: Request) -> None:
-        self.urls.append(request.url)
-
-    def _console(self, message: ConsoleMessage) -> None:
-        # An answer with an error status is logged as one; a CSP refusal or a script error
-        # would be too, and those must not happen.
-        if message.type == "error" and not message.text.startswith("Failed to load resource"):
-            self.errors.append(message.text)
-
-    def assert_stayed_home(self, gateway: TestServer, key: str) -> None:
-        home = urlsplit(str(gateway.make_url("/")))
-        for url in self.urls:
-            parts = urlsplit(url)
-            assert (parts.scheme, parts.netloc) == (home.scheme, home.netloc), url
-            assert key not in url, "the key went into a URL"
-        assert self.errors == []
+    async with launched() as started:
+        yield started
 
 
 async def get_json(gateway: TestServer, path: str, key: str) -> dict[str, Any]:
@@ -330,35 +284,6 @@ async def test_rate_limits_and_outages_are_explained(
 
 # ---- without a browser: the files, their headers, their packaging -----------------------------
 
-class _Markup(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scripts: list[tuple[str | None, bool]] = []  # (src, has inline text)
-        self.links: list[str] = []
-        self.inline: list[str] = []
-        self._in_script = False
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        found = dict(attrs)
-        self.inline += [f"{tag} {name}" for name in found if name.startswith("on")
-                        or name == "style"]
-        if tag == "style":
-            self.inline.append("<style>")
-        if tag == "script":
-            self.scripts.append((found.get("src"), False))
-            self._in_script = True
-        for name in ("src", "href", "action"):
-            if found.get(name):
-                self.links.append(str(found[name]))
-
-    def handle_endtag(self, tag: str) -> None:
-        self._in_script = self._in_script and tag != "script"
-
-    def handle_data(self, data: str) -> None:
-        if self._in_script and data.strip():
-            self.scripts[-1] = (self.scripts[-1][0], True)
-
-
 @pytest.mark.parametrize(("path", "name", "content_type"), [
     ("/dashboard", "index.html", "text/html"),
     ("/dashboard/app.js", "app.js", "text/javascript"),
@@ -398,7 +323,7 @@ async def test_the_files_are_served_with_a_strict_policy(
 
 
 def test_the_page_runs_only_its_own_files_and_ships_in_the_package() -> None:
-    markup = _Markup()
+    markup = Markup()
     markup.feed((ASSETS / "index.html").read_text())
     assert markup.scripts == [("/dashboard/app.js", False)]  # no inline script
     assert markup.inline == []  # nor inline handlers or styles (the policy would refuse them)

@@ -4,11 +4,14 @@ order, and within the body deadline (408) (reliability.md I1, I2)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 
 import aiohttp
 import orjson
 import pytest
 
+from proxy.appkeys import METRICS
 from tests.support.chat import CHAT, HELLO
 from tests.support.config_files import MODEL
 from tests.support.gateway import GatewayFactory
@@ -110,4 +113,41 @@ async def test_a_body_that_does_not_arrive_in_time_gets_408(
     assert loop.time() - sent > 0.5
     assert status == 408 and headers["connection"] == "close"
     assert error_type(body) == "request_timeout"
+    assert await sim_requests(sim) == []
+
+
+_FORM = (b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nacme/large-v3\r\n'
+         b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+         b"Content-Type: audio/wav\r\n\r\nRIFF")
+
+
+@pytest.mark.parametrize(("route", "content_type", "body"), [
+    ("/v2/compat/v1/chat/completions", "application/json", BODY),
+    ("/v2/compat/v1/audio/transcriptions", "multipart/form-data; boundary=x", _FORM),
+])
+async def test_a_client_that_resets_mid_body_is_a_499_never_a_500(
+        simulator: SimulatorFactory, gateway: GatewayFactory,
+        caplog: pytest.LogCaptureFixture, route: str, content_type: str, body: bytes) -> None:
+    """A client whose connection is reset while its body is still arriving has left: its
+    request ends as 499 (client closed), never as an "unhandled error" 500, and nothing is
+    sent upstream."""
+    sim = await simulator()
+    gw = await gateway(sim)
+    for _ in range(20):
+        _, writer = await connect(gw)
+        writer.write(f"POST {route} HTTP/1.1\r\nHost: gw\r\nContent-Type: {content_type}\r\n"
+                     f"X-API-Key: {gw.api_key}\r\n"  # type: ignore[attr-defined]
+                     f"Content-Length: 100000\r\n\r\n".encode() + body)
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()  # with linger 0: a reset, not a FIN
+    await asyncio.sleep(0.2)
+    metrics = gw.app[METRICS]
+    metrics.flush()
+    assert metrics.errors.labels(route, "internal_error")._value.get() == 0
+    tier = "max"  # the fixture's key
+    assert metrics.requests.labels(route, "", tier, "499")._value.get() == 20
+    assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
     assert await sim_requests(sim) == []

@@ -125,6 +125,15 @@ async def test_replaying_the_live_policies_and_a_stricter_one(
     assert strict["accounts_by_new_refusals"][0]["account"] == "heavy"
     assert strict["refusal_reasons"] == {"basic: more than 4 requests a minute": 3,
                                          "the basic tier does not include embeddings": 1}
+    # A folder with only the file that changes (a shadow set): the rest is the live folder's,
+    # from --config, so the prices are the live ones and only the limits differ.
+    shadow = tmp_path / "config" / "policies" / "shadow"
+    shadow.mkdir()
+    (shadow / "tiers.toml").write_text((candidate / "tiers.toml").read_text())
+    partial = replay(log, shadow, "--config", str(tmp_path / "config"))
+    rows = {(r["tier"], r["model"]): r for r in partial["by_tier_model"]}
+    assert rows["basic", "acme/chat"]["decisions"] == {"admitted": 6, "rate_limited": 2}
+    assert rows["max", "acme/chat"]["difference_micro_credits"] == 0
     table = cli(log, candidate).stdout
     assert "basic / acme/chat" in table and "heavy" in table
     later = replay(log, candidate, "--since", str(lines[-1]["ts"] + 1))

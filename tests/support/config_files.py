@@ -95,6 +95,7 @@ def write_config(
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "backends.toml").write_text("\n".join(lines) + "\n")
     (folder / "policies").mkdir(exist_ok=True)
-    for name, text in (policies or {}).items():
+    for name, text in (policies or {}).items():  # "shadow/tiers.toml": the shadow set's
+        (folder / "policies" / name).parent.mkdir(exist_ok=True)
         (folder / "policies" / name).write_text(text)
     return folder

@@ -53,6 +53,8 @@ class ShadowWindows:
         self._own_counters = counters is not ledger.redis
         self._counters = Primaries(counters) if self._own_counters else ledger.primaries
         self._guests = ScriptPipes(self._counters)
+        # Each caller's key names (account, tier, windows -> names), made once.
+        self._names: dict[tuple[str, str, tuple[TokenWindow, ...]], list[str]] = {}
         self._stores = {False: (self._keyed, ledger.primaries, self._keyed_script),
                         True: (self._guests, self._counters, self._guest_script)}
 
@@ -63,17 +65,26 @@ class ShadowWindows:
         clients: dict[tuple[bool, int], Any] = {}
         answers: list[Counted] = [None] * len(asks)
         for i, ask in enumerate(asks):
-            keys, args = _command(ask)
+            keys = self._names.get((ask.principal.account, ask.tier_name, ask.windows))
+            if keys is None:
+                if len(self._names) > 100_000:
+                    self._names.clear()
+                keys = self._names[ask.principal.account, ask.tier_name, ask.windows] = \
+                    _key_names(ask)
             guest = ask.principal.kind == "guest"
             _, primaries, script = self._stores[guest]
             try:
                 client = primaries.client_for(keys[0])
-            except RedisError:
-                continue  # mid-failover: this one goes uncounted
+            except RedisError:  # the slot map not read yet, or mid-failover: read it again
+                await primaries.refresh()
+                try:
+                    client = primaries.client_for(keys[0])
+                except RedisError:
+                    continue  # this one goes uncounted
             group = (guest, id(client))
             clients[group] = client
             groups.setdefault(group, []).append(i)
-            commands[i] = (b"EVALSHA", script.sha, len(keys), *keys, *args)
+            commands[i] = (b"EVALSHA", script.sha, *_command(ask, keys))
         for group, members in groups.items():
             pipes, _, script = self._stores[group[0]]
             try:
@@ -94,16 +105,22 @@ class ShadowWindows:
             await self._counters.close()
 
 
-def _command(ask: Ask) -> tuple[list[str], list[object]]:
-    keys = AccountKeys.of(ask.principal.account)
-    names = [keys.shadow_window(ask.tier_name)]
+def _command(ask: Ask, keys: list[str]) -> tuple[Any, ...]:
+    """The script call's keys and arguments for `ask`, its key names given."""
     args: list[object] = [ask.tier.requests_per_minute, WINDOW_MS, ids.hex_id(),
                           "1" if ask.check_tokens else "0"]
-    if ask.check_tokens:
-        for w in ask.windows:
-            names.append(keys.shadow_tokens(ask.tier_name, w.suffix))
-            args += (*BUCKETS[w.period], w.limit, w.reserve(ask.prompt, ask.completion))
-    return names, args
+    if not ask.check_tokens:
+        return 1, keys[0], *args  # the request window alone
+    for w in ask.windows:
+        args += (*BUCKETS[w.period], w.limit, w.reserve(ask.prompt, ask.completion))
+    return len(keys), *keys, *args
+
+
+def _key_names(ask: Ask) -> list[str]:
+    """The request window's key, then each token window's."""
+    keys = AccountKeys.of(ask.principal.account)
+    return [keys.shadow_window(ask.tier_name),
+            *(keys.shadow_tokens(ask.tier_name, w.suffix) for w in ask.windows)]
 
 
 async def _run(pipes: ScriptPipes, client: Any, script: AsyncScript,

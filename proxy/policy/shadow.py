@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from proxy.config import Policies, TierPolicy
-from proxy.credits.token_windows import TokenWindow
+from proxy.config import Policies, Rates, TierPolicy
+from proxy.credits.token_windows import TokenWindow, token_windows
 from proxy.policy.replay import price_units
 from proxy.policy.tiers import denial
 
@@ -67,15 +67,33 @@ def live_decision(admitted: bool, status: int, error: str | None) -> int | None:
     return None
 
 
-def before_limits(policies: Policies, seen: Seen) -> Verdict | None:
-    """The shadow's checks before its limits: a refusal, or None (the limits decide)."""
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """What a shadow set says of one (tier, family, model, mode), worked out once."""
+
+    tier: TierPolicy | None  # None: a tier the shadow lacks
+    refused: Verdict | None  # the tier missing, or its access denied
+    windows: tuple[TokenWindow, ...]  # the token windows such a request counts in
+    rates: Rates
+
+
+def rule_for(policies: Policies, seen: Seen) -> Rule:
+    rates = policies.prices.for_model(seen.model, seen.mode)
     tier = policies.tiers.tiers.get(seen.tier)
     if tier is None:
-        return Verdict(403, "tier", f"tier {seen.tier!r} is not in the shadow's tiers.toml")
+        return Rule(None, Verdict(403, "tier", f"tier {seen.tier!r} is not in the shadow's "
+                                  "tiers.toml"), (), rates)
     refused = denial(policies.tiers, seen.tier, family=seen.family, model=seen.model,
                      mode=seen.mode)
-    if refused is not None:
-        return Verdict(403, "access", refused)
+    return Rule(tier, None if refused is None else Verdict(403, "access", refused),
+                token_windows(tier, policies.tiers.group_of(seen.model)), rates)
+
+
+def before_limits(rule: Rule, seen: Seen) -> Verdict | None:
+    """The shadow's checks before its limits: a refusal, or None (the limits decide)."""
+    tier = rule.tier
+    if tier is None or rule.refused is not None:
+        return rule.refused
     cap = tier.max_tokens_per_request
     if seen.family == "chat" and cap is not None and (seen.asked_tokens or 0) > cap:
         return Verdict(403, "max_tokens",
@@ -110,14 +128,12 @@ def tokens_used(units: Mapping[str, int]) -> tuple[int, int]:
     return units.get("prompt_tokens", 0), units.get("completion_tokens", 0)
 
 
-def shadow_charge(policies: Policies, seen: Seen, verdict: Verdict,
-                  units: Mapping[str, int]) -> int:
+def shadow_charge(rule: Rule, seen: Seen, verdict: Verdict, units: Mapping[str, int]) -> int:
     """What the shadow charges (micro-credits): the request's units at its prices, when it
     admits it."""
     if verdict.decision != ADMITTED:
         return 0
-    return price_units(policies.prices.for_model(seen.model, seen.mode), seen.tier,
-                       seen.family, units)
+    return price_units(rule.rates, seen.tier, seen.family, units)
 
 
 def tier_fields(tier: TierPolicy | None) -> dict[str, object] | None:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +29,20 @@ from redis.exceptions import RedisError
 
 from proxy.config import ShadowPolicies
 from proxy.credits.pricing import format_credits
-from proxy.credits.shadow_windows import Ask, Counted, ShadowWindows
-from proxy.credits.token_windows import WindowsByTier
+from proxy.credits.shadow_windows import Ask, ShadowWindows
 from proxy.identity.principal import Principal
 from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import Trace
 from proxy.policy.shadow import (
     ADMITTED,
+    Rule,
     Seen,
     Verdict,
     after_limits,
     before_limits,
     live_decision,
+    rule_for,
     shadow_charge,
     tokens_used,
 )
@@ -48,7 +50,7 @@ from proxy.store.client import Store
 
 log = logging.getLogger("proxy.policy.shadowing")
 
-BATCH_S = 0.01  # verdicts gather this long, then their limits are counted in one write
+BATCH_S = 0.05  # verdicts gather this long, then their limits are counted in one write
 FLUSH_S = 1.0
 SUMMARY_TTL_S = 30 * 86400
 
@@ -88,8 +90,9 @@ class Shadow:
         self._pending: list[_Pending] = []
         self._timer: asyncio.TimerHandle | None = None
         self._judging: set[asyncio.Task[None]] = set()
-        self._tallies: dict[str, dict[str, int]] = {}  # fingerprint -> field -> amount
-        self._token_windows: dict[str, WindowsByTier] = {}  # by fingerprint
+        # fingerprint -> ("d", tier, live, shadow, reason) | ("lc" | "sc", tier) -> amount
+        self._tallies: dict[str, Counter[tuple[str, ...]]] = {}
+        self._rules: dict[tuple[str, ...], Rule] = {}
         self.unreachable = 0  # verdicts given without the limits (Redis unreachable)
 
     def judge(self, shadowed: Shadowed, trace: Trace, status: int,
@@ -116,32 +119,36 @@ class Shadow:
         task.add_done_callback(self._judging.discard)
 
     async def _judge(self, batch: list[_Pending]) -> None:
-        befores = [before_limits(p.shadowed.shadow.policies, p.seen) for p in batch]
+        judged: list[tuple[_Pending, Rule, Verdict | None]] = []
         asks: list[Ask] = []
-        asked: dict[int, int] = {}  # the batch's index -> its ask's
-        for i, (p, before) in enumerate(zip(batch, befores, strict=True)):
-            policies = p.shadowed.shadow.policies
-            tier = policies.tiers.tiers.get(p.seen.tier)
-            if tier is None:
-                continue
-            windows = self._token_windows.setdefault(
-                p.shadowed.shadow.fingerprint, WindowsByTier()).of(
-                p.seen.tier, tier, policies.tiers.group_of(p.seen.model))
-            prompt, completion = tokens_used(p.units)
-            asked[i] = len(asks)
-            asks.append(Ask(p.shadowed.principal, p.seen.tier, tier, windows, prompt,
-                            completion, check_tokens=before is None))
-        counted: list[Counted] = await self._windows.count(asks) if asks else []
-        for i, (p, before) in enumerate(zip(batch, befores, strict=True)):
+        for p in batch:
+            rule = self._rule(p.shadowed.shadow, p.seen)
+            before = before_limits(rule, p.seen)
+            judged.append((p, rule, before))
+            if rule.tier is not None:
+                prompt, completion = tokens_used(p.units)
+                asks.append(Ask(p.shadowed.principal, p.seen.tier, rule.tier, rule.windows,
+                                prompt, completion, check_tokens=before is None))
+        answers = iter(await self._windows.count(asks) if asks else [])
+        for p, rule, before in judged:
             verdict = before
-            if i in asked:
-                ask, answer = asks[asked[i]], counted[asked[i]]
+            if rule.tier is not None:
+                answer = next(answers)
                 if answer is None:
                     answer = (True, None)  # judged without its limits
                     self._unreachable()
-                verdict = after_limits(p.seen.tier, ask.tier, p.live, before, *answer)
+                verdict = after_limits(p.seen.tier, rule.tier, p.live, before, *answer)
             assert verdict is not None
-            self._verdict(p, verdict)
+            self._verdict(p, rule, verdict)
+
+    def _rule(self, shadow: ShadowPolicies, seen: Seen) -> Rule:
+        key = (shadow.fingerprint, seen.tier, seen.family, seen.model, seen.mode)
+        rule = self._rules.get(key)
+        if rule is None:
+            if len(self._rules) > 10_000:  # shadow sets come and go: keep the recent ones
+                self._rules.clear()
+            rule = self._rules[key] = rule_for(shadow.policies, seen)
+        return rule
 
     def _unreachable(self) -> None:
         self.unreachable += 1
@@ -149,10 +156,20 @@ class Shadow:
             log.warning("shadow limits: the store is unreachable; judging without them "
                         "(%d so far)", self.unreachable)
 
-    def _verdict(self, p: _Pending, verdict: Verdict) -> None:
-        shadow = p.shadowed.shadow
-        charge = shadow_charge(shadow.policies, p.seen, verdict, p.units)
-        self._count(shadow.fingerprint, p.seen.tier, p.live, verdict, p.live_credits, charge)
+    def _verdict(self, p: _Pending, rule: Rule, verdict: Verdict) -> None:
+        charge = shadow_charge(rule, p.seen, verdict, p.units)
+        live = "admitted" if p.live == ADMITTED else str(p.live)
+        shadow = "admitted" if verdict.decision == ADMITTED else str(verdict.decision)
+        tier = p.seen.tier
+        self._metrics.shadow_judged(tier, live, shadow, verdict.reason, p.live_credits, charge)
+        tally = self._tallies.get(p.shadowed.shadow.fingerprint)
+        if tally is None:
+            tally = self._tallies[p.shadowed.shadow.fingerprint] = Counter()
+        tally["d", tier, live, shadow, verdict.reason] += 1
+        if p.live_credits:
+            tally["lc", tier] += p.live_credits
+        if charge:
+            tally["sc", tier] += charge
         if p.line is not None:
             field: dict[str, Any] = {"decision": verdict.decision}
             if verdict.reason:
@@ -161,17 +178,6 @@ class Shadow:
                 field["credits"] = format_credits(charge)
             p.line["shadow"] = field
             self._access_log.put(p.line)
-
-    def _count(self, fingerprint: str, tier: str, live: int, verdict: Verdict,
-               live_credits: int, charge: int) -> None:
-        shown = "admitted" if live == ADMITTED else str(live)
-        judged = "admitted" if verdict.decision == ADMITTED else str(verdict.decision)
-        self._metrics.shadow_judged(tier, shown, judged, verdict.reason, live_credits, charge)
-        tally = self._tallies.setdefault(fingerprint, {})
-        for name, amount in ((f"n|{tier}", 1), (f"d|{tier}|{shown}|{judged}|{verdict.reason}", 1),
-                             (f"lc|{tier}", live_credits), (f"sc|{tier}", charge)):
-            if amount:
-                tally[name] = tally.get(name, 0) + amount
 
     async def run(self) -> None:
         """Add the tallies to Redis every FLUSH_S (a task for the app's lifetime)."""
@@ -187,13 +193,11 @@ class Shadow:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     pipe.hsetnx(key, "since", repr(time.time()))
                     for name, amount in tally.items():
-                        pipe.hincrby(key, name, amount)
+                        pipe.hincrby(key, "|".join(name), amount)
                     pipe.expire(key, SUMMARY_TTL_S)
                     await pipe.execute()
             except RedisError:  # kept for the next flush
-                mine = self._tallies.setdefault(fingerprint, {})
-                for name, amount in tally.items():
-                    mine[name] = mine.get(name, 0) + amount
+                self._tallies.setdefault(fingerprint, Counter()).update(tally)
 
     async def close(self) -> None:
         """Finish the verdicts under way (their lines) and add the last tallies."""
@@ -220,9 +224,7 @@ async def summary(redis: Store, fingerprint: str) -> dict[str, Any]:
 
     for name, value in sorted(found.items()):
         kind, _, rest = name.partition("|")
-        if kind == "n":
-            tier(rest)["requests"] = int(value)
-        elif kind in ("lc", "sc"):
+        if kind in ("lc", "sc"):
             tier(rest)["live_micro_credits" if kind == "lc" else "shadow_micro_credits"] = \
                 int(value)
         elif kind == "d":
@@ -230,6 +232,7 @@ async def summary(redis: Store, fingerprint: str) -> dict[str, Any]:
             entry = tier(name_)
             entry["decisions"].append({"live": live, "shadow": judged, "reason": reason,
                                        "count": int(value)})
+            entry["requests"] += int(value)
             if live != judged:
                 entry["disagreements"] += int(value)
     since = found.get("since")

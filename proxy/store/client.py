@@ -248,7 +248,8 @@ class Primaries:
             return self.store
         try:
             node = self.store.nodes_manager.get_node_from_slot(self.store.keyslot(key))
-        except RedisClusterException as exc:  # the slot map lost it mid-failover
+        except (RedisClusterException, KeyError) as exc:  # the slot map lost it mid-failover,
+            # or has not been read yet
             raise RedisConnectionError("no primary known for the key's slot") from exc
         client = self._clients.get(node.name)
         if client is None:

@@ -6,6 +6,7 @@ set."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +19,26 @@ from redis.asyncio import Redis
 
 from proxy.appkeys import METRICS, SHADOW
 from proxy.config import ConfigError, Policies, TierPolicy, TiersPolicy, load_config
-from proxy.credits.ledger import Ledger
+from proxy.credits.ledger import AccountKeys, Ledger
+from proxy.credits.shadow_windows import Ask, ShadowWindows
 from proxy.credits.token_windows import TokenWindow
+from proxy.identity.principal import Principal
 from proxy.policy.shadow import (
     ADMITTED,
+    Rule,
     Seen,
     Verdict,
     after_limits,
     before_limits,
     differences,
     live_decision,
+    rule_for,
 )
+from proxy.store.client import Store, connect_redis
 from tests.support.accounts import new_key
 from tests.support.config_files import MODEL, write_config
 from tests.support.gateway import GatewayFactory, settled
+from tests.support.redis_topologies import ClusterProcesses
 from tests.support.upstreams import SimulatorFactory
 
 ADMIN = "admin-token-for-the-shadow-tests"
@@ -87,26 +94,31 @@ def _seen(**fields: Any) -> Seen:
                    "asked_tokens": None, "waiting": None, **fields})
 
 
+def _before(policies: Policies, seen: Seen) -> Verdict | None:
+    rule: Rule = rule_for(policies, seen)
+    return before_limits(rule, seen)
+
+
 def test_the_checks_before_the_limits_in_the_gateways_order() -> None:
     policies = _policies(basic=_tier(max_tokens_per_request=100, queue_budget=2))
-    assert before_limits(policies, _seen()) is None
-    assert before_limits(policies, _seen(tier="pro")) == Verdict(
+    assert _before(policies, _seen()) is None
+    assert _before(policies, _seen(tier="pro")) == Verdict(
         403, "tier", "tier 'pro' is not in the shadow's tiers.toml")
-    refused = before_limits(policies, _seen(family="tts"))
+    refused = _before(policies, _seen(family="tts"))
     assert refused is not None and (refused.decision, refused.reason) == (403, "access")
     assert "speech synthesis" in refused.message
-    refused = before_limits(policies, _seen(mode="network"))
+    refused = _before(policies, _seen(mode="network"))
     assert refused is not None and "network mode" in refused.message
-    assert before_limits(policies, _seen(asked_tokens=100)) is None
-    refused = before_limits(policies, _seen(asked_tokens=101))
+    assert _before(policies, _seen(asked_tokens=100)) is None
+    refused = _before(policies, _seen(asked_tokens=101))
     assert refused is not None and (refused.decision, refused.reason) == (403, "max_tokens")
-    assert before_limits(policies, _seen(waiting=1.5)) is None
-    refused = before_limits(policies, _seen(waiting=2.0))
+    assert _before(policies, _seen(waiting=1.5)) is None
+    refused = _before(policies, _seen(waiting=2.0))
     assert refused is not None and (refused.decision, refused.reason) == (503, "queue_budget")
     # access before the cap, the cap before the budget
-    assert before_limits(policies, _seen(family="tts", asked_tokens=500, waiting=9)
+    assert _before(policies, _seen(family="tts", asked_tokens=500, waiting=9)
                          ).reason == "access"  # type: ignore[union-attr]
-    assert before_limits(policies, _seen(asked_tokens=500, waiting=9)
+    assert _before(policies, _seen(asked_tokens=500, waiting=9)
                          ).reason == "max_tokens"  # type: ignore[union-attr]
 
 
@@ -356,3 +368,58 @@ async def test_shadow_token_windows_and_a_live_refusal_the_shadow_would_admit(
     assert lines[3]["shadow"]["decision"] == 200
     assert lines[4]["shadow"] == {"decision": 429, "reason": "tokens",
                                   "message": "the pro tier allows 40 tokens a minute"}
+
+
+# ---- the windows in Redis: one server and a Cluster -------------------------------------------
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[ClusterProcesses]:
+    with ClusterProcesses(tmp_path / "cluster", masters=3, replicas_per_master=0) as started:
+        yield started
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def store(request: pytest.FixtureRequest, clean_redis: Any) -> AsyncIterator[Store]:
+    url = clean_redis.url if request.param == "redis" else request.getfixturevalue("cluster").url
+    redis = connect_redis(url)
+    try:
+        yield redis
+    finally:
+        await redis.aclose()
+
+
+async def test_shadow_windows_count_each_account_apart_in_one_write_per_primary(
+        store: Store) -> None:
+    """Accounts spread over a Cluster's primaries, judged in one batch: each account's request
+    rate and token window counted on its own (a request over the rate counts nothing, one
+    refused before the limits counts in the rate only), and the live windows never touched."""
+    tier = _tier(requests_per_minute=3, tokens_per_minute=100)
+    window = TokenWindow("*", "tokens", "minute", 100)
+    ledger = Ledger(store)
+    windows = ShadowWindows(ledger, store)
+    accounts = [f"acct-{i}" for i in range(12)]  # over every primary of the Cluster
+    try:
+        def ask(account: str, tokens: int, check: bool = True) -> Ask:
+            return Ask(Principal("key", account, "basic"), "basic", tier, (window,), tokens, 0,
+                       check)
+
+        first = await windows.count([ask(a, 60) for a in accounts])
+        assert first == [(True, None)] * len(accounts)
+        # 60 + 60 is over 100 tokens: refused for tokens, and not counted in them
+        second = await windows.count([ask(a, 60) for a in accounts])
+        assert second == [(True, window)] * len(accounts)
+        # refused before the limits (no tokens checked), then over the rate of 3
+        third = await windows.count([ask(a, 60, check=False) for a in accounts])
+        assert third == [(True, None)] * len(accounts)
+        fourth = await windows.count([ask(a, 0) for a in accounts])
+        assert fourth == [(False, None)] * len(accounts)
+        for account in accounts:
+            keys = AccountKeys.of(account)
+            assert await store.zcard(keys.shadow_window("basic")) == 3
+            buckets = await store.hgetall(keys.shadow_tokens("basic", window.suffix))
+            assert sum(int(v) for v in buckets.values()) == 60
+            assert not await store.exists(keys.window("basic"))  # the live one's
+            assert not await store.exists(keys.token_window("basic", window.suffix))
+    finally:
+        await windows.close()
+        await ledger.close()

@@ -40,6 +40,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy import ids
+from proxy.api.fleet_tally import TALLY
 from proxy.appkeys import (
     CONFIG,
     FETCHER,
@@ -292,6 +293,7 @@ async def queued(app: web.Application, routes: Mapping[str, Runnable], account: 
               spec.headers, ticket_for(spec.tier, policies.tiers.tiers, spec.account))
     # Its own trace, linked to the request that submitted it (a run may come hours later).
     trace = Trace(f"task {spec.route}", tier=spec.tier, model=spec.model,
+                  account=None if spec.kind == "guest" else spec.account,
                   operation=OPERATIONS.get(spec.route.partition(":")[0]))
     tracing = app[TRACING]
     if tracing is not None:
@@ -306,6 +308,7 @@ async def queued(app: web.Application, routes: Mapping[str, Runnable], account: 
         CURRENT.reset(context)
         if tracing is not None:
             tracing.finish(trace, status, None)
+        app[TALLY].note(trace, status, spec.request_id)  # its charge, in the console's spend
 
 
 def _ctx(request: web.Request, policies: Policies, principal: Principal) -> Ctx:

@@ -1,8 +1,8 @@
 """What the operator console shows of the whole fleet, beside the per-worker metrics: spend and
 refusals per account, and errors by type, gathered in Redis from every worker and gateway host.
 
-Each worker tallies its answered requests in memory (`note`, called by the middleware: a few
-dict updates, never awaited), and a background task writes them to Redis in one pipeline about
+Each worker tallies its answered requests in memory (`note`, called by the middleware, and by
+the task runner for an async task's run: a few dict updates, never awaited), and a background task writes them to Redis in one pipeline about
 once a second (`run`). `/admin/overview` reads them back (`overview`). Every key carries the
 `{console}` hash tag, so on a Redis Cluster they share one slot and one ZUNION may span them.
 

@@ -6,10 +6,9 @@ keeps."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -28,7 +27,6 @@ from tests.support.chat import HELLO
 from tests.support.config_files import MODEL
 from tests.support.gateway import GatewayFactory, settled
 from tests.support.processes import free_port
-from tests.support.redis_topologies import ClusterProcesses
 from tests.support.upstreams import SimulatorFactory
 
 ROUTE = "/v2/compat/v1/chat/completions"
@@ -62,25 +60,10 @@ def answered(account: str | None = None, credits: str | None = None,
                  charged=parse_credits(credits) if credits else 0)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ClusterProcesses]:
-    with ClusterProcesses(tmp_path / "cluster", masters=3, replicas_per_master=0) as started:
-        yield started
-
-
-@pytest.fixture(params=["redis", "cluster"])
-async def store(request: pytest.FixtureRequest, clean_redis: RedisProcess) -> AsyncIterator[Store]:
-    """One redis-server, or a three-primary Cluster (the tally's keys share one slot there)."""
-    url = clean_redis.url if request.param == "redis" else \
-        request.getfixturevalue("cluster").url
-    redis = connect_redis(url)
-    try:
-        yield redis
-    finally:
-        await redis.aclose()
-
-
-async def test_two_workers_tallies_add_up_in_buckets_that_age_out(store: Store) -> None:
+async def test_two_workers_tallies_add_up_in_buckets_that_age_out(
+        redis_or_cluster: Store) -> None:
+    """On one Redis and on a Cluster (the tally's keys share one slot there)."""
+    store = redis_or_cluster
     clock_a, clock_b = Clock(), Clock()
     a, b = FleetTally(store, metrics(), clock_a), FleetTally(store, metrics(), clock_b)
     for _ in range(3):
@@ -192,6 +175,16 @@ async def test_overview_counts_the_gateways_answers_and_keeps_no_secret(
         status, _, _ = await call(gw, ROUTE, {"X-API-Key": key},
                                   {"model": MODEL, "messages": HELLO})
         assert status == 200
+    # An async task: charged by the worker that runs it, counted in the spend all the same.
+    status, task, _ = await call(gw, ROUTE, {"X-API-Key": key},
+                                 {"model": MODEL, "messages": HELLO, "async": True})
+    assert status == 202
+    for _ in range(200):
+        status, record, _ = await call(gw, task["poll_url"], {"X-API-Key": key})
+        if record["status"] != "running":
+            break
+        await asyncio.sleep(0.02)
+    assert record["status"] == "completed", record
     secret = "igw_sk_" + "s3cret" * 6
     status, _, headers = await call(gw, ROUTE, {"X-API-Key": secret, "X-Request-Id": "req-401"},
                                     {"model": MODEL, "messages": HELLO})

@@ -6,7 +6,6 @@ set."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,10 @@ from proxy.policy.shadow import (
     live_decision,
     rule_for,
 )
-from proxy.store.client import Store, connect_redis
+from proxy.store.client import Store
 from tests.support.accounts import new_key
 from tests.support.config_files import MODEL, write_config
 from tests.support.gateway import GatewayFactory, settled
-from tests.support.redis_topologies import ClusterProcesses
 from tests.support.upstreams import SimulatorFactory
 
 ADMIN = "admin-token-for-the-shadow-tests"
@@ -372,29 +370,14 @@ async def test_shadow_token_windows_and_a_live_refusal_the_shadow_would_admit(
 
 # ---- the windows in Redis: one server and a Cluster -------------------------------------------
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ClusterProcesses]:
-    with ClusterProcesses(tmp_path / "cluster", masters=3, replicas_per_master=0) as started:
-        yield started
-
-
-@pytest.fixture(params=["redis", "cluster"])
-async def store(request: pytest.FixtureRequest, clean_redis: Any) -> AsyncIterator[Store]:
-    url = clean_redis.url if request.param == "redis" else request.getfixturevalue("cluster").url
-    redis = connect_redis(url)
-    try:
-        yield redis
-    finally:
-        await redis.aclose()
-
-
 async def test_shadow_windows_count_each_account_apart_in_one_write_per_primary(
-        store: Store) -> None:
+        redis_or_cluster: Store) -> None:
     """Accounts spread over a Cluster's primaries, judged in one batch: each account's request
     rate and token window counted on its own (a request over the rate counts nothing, one
     refused before the limits counts in the rate only), and the live windows never touched."""
     tier = _tier(requests_per_minute=3, tokens_per_minute=100)
     window = TokenWindow("*", "tokens", "minute", 100)
+    store = redis_or_cluster
     ledger = Ledger(store)
     windows = ShadowWindows(ledger, store)
     accounts = [f"acct-{i}" for i in range(12)]  # over every primary of the Cluster

@@ -2,9 +2,10 @@
 refusals per account, and errors by type, gathered in Redis from every worker and gateway host.
 
 Each worker tallies its answered requests in memory (`note`, called by the middleware, and by
-the task runner for an async task's run: a few dict updates, never awaited), and a background task writes them to Redis in one pipeline about
-once a second (`run`). `/admin/overview` reads them back (`overview`). Every key carries the
-`{console}` hash tag, so on a Redis Cluster they share one slot and one ZUNION may span them.
+the task runner for an async task's run: a few dict updates, never awaited), and a background
+task writes them to Redis in one pipeline about once a second (`run`). `/admin/overview` reads
+them back (`overview`). Every key carries the `{console}` hash tag, so on a Redis Cluster they
+share one slot and one ZUNION may span them.
 
     igw:{console}:spend:<hour>     sorted set  account -> micro-credits charged in that UTC hour
     igw:{console}:refused:<hour>   sorted set  account -> refusals that hour: 402, 403, 429, and

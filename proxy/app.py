@@ -36,7 +36,6 @@ from proxy.api import (
     tasks,
 )
 from proxy.api import route_docs as docs
-from proxy.api.fleet_tally import TALLY, FleetTally
 from proxy.api.middleware import gateway_middleware
 from proxy.api.scrape import metrics
 from proxy.appkeys import (
@@ -59,6 +58,7 @@ from proxy.appkeys import (
     ROUTER,
     SETTLER,
     SHADOW,
+    TALLY,
     TASKS,
     TRACING,
     UPSTREAMS,
@@ -81,6 +81,7 @@ from proxy.http.body import BODY_TIMEOUT_S
 from proxy.http.drain import Drain
 from proxy.identity.keystore import KeyStore
 from proxy.observe.access_log import AccessLog
+from proxy.observe.fleet_tally import FleetTally
 from proxy.observe.metrics import Labels, Metrics, flush_metrics
 from proxy.pipeline import chat_route, queued, task_route
 from proxy.policy.live import RELOADS, LivePolicies

@@ -19,6 +19,7 @@ from proxy.credits.settler import Settler
 from proxy.http.drain import Drain
 from proxy.identity.keystore import KeyStore
 from proxy.observe.access_log import AccessLog
+from proxy.observe.fleet_tally import FleetTally
 from proxy.observe.metrics import Metrics
 from proxy.policy.live import LivePolicies
 from proxy.policy.shadowing import Shadow
@@ -54,6 +55,7 @@ TASKS = web.AppKey("tasks", TaskStore)  # async tasks: records, queue
 MEDIA = web.AppKey("media", MediaStore)  # their audio, images and video (never in the ledger)
 METRICS = web.AppKey("metrics", Metrics)  # this process's Prometheus metrics
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
+TALLY = web.AppKey("fleet_tally", FleetTally)  # what the console shows of the whole fleet
 SHADOW = web.AppKey("shadow", Shadow)  # judges requests by the shadow policies, if any
 TRACING: web.AppKey[Tracing | None] = web.AppKey("tracing")  # None: [telemetry] not set
 

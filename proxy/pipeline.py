@@ -40,7 +40,6 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy import ids
-from proxy.api.fleet_tally import TALLY
 from proxy.appkeys import (
     CONFIG,
     FETCHER,
@@ -53,6 +52,7 @@ from proxy.appkeys import (
     RESPONSE_HEADERS,
     ROUTER,
     SETTLER,
+    TALLY,
     TASKS,
     TRACING,
     UPSTREAMS,

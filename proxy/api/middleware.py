@@ -9,7 +9,6 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import RedisClusterException, RedisError
 
-from proxy.api.fleet_tally import TALLY
 from proxy.appkeys import (
     ACCESS_LOG,
     DRAIN,
@@ -19,6 +18,7 @@ from proxy.appkeys import (
     ROUTE_STYLES,
     SHADOW,
     STYLE,
+    TALLY,
     TRACING,
 )
 from proxy.errors import ErrorKind, GatewayError, store_unavailable

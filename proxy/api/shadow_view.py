@@ -16,27 +16,28 @@ from proxy.errors import store_unavailable
 from proxy.policy.shadow import differences, tier_fields
 from proxy.policy.shadowing import summary
 
-_NOTHING: dict[str, Any] = {"requests": 0, "disagreements": 0, "by_tier": {}}
-
 
 async def show_shadow(request: web.Request) -> web.Response:
     snapshot = await require_admin(request)
     live, shadow = snapshot.policies.tiers.tiers, snapshot.shadow
-    judged = _NOTHING | {"since": None}
-    if shadow is not None:
-        try:
-            judged = await summary(request.app[REDIS], shadow.fingerprint)
-        except RedisError:
-            raise store_unavailable("shadow tallies") from None
-    candidate = shadow.policies.tiers.tiers if shadow is not None else {}
+    if shadow is None:
+        tiers: list[dict[str, Any]] = [
+            {"name": name, "live": tier_fields(tier), "shadow": None, "differs": []}
+            for name, tier in sorted(live.items())]
+        body = {"loaded": False, "version": snapshot.version, "files": [], "fingerprint": None,
+                "since": None, "tiers": tiers,
+                "summary": {"requests": 0, "disagreements": 0, "by_tier": {}}}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+    try:
+        judged = await summary(request.app[REDIS], shadow.fingerprint)
+    except RedisError:
+        raise store_unavailable("shadow tallies") from None
+    candidate = shadow.policies.tiers.tiers
     tiers = [{"name": name, "live": tier_fields(live.get(name)),
-              "shadow": tier_fields(candidate.get(name)) if shadow is not None else None,
-              "differs": differences(live.get(name), candidate.get(name))
-              if shadow is not None else []}
+              "shadow": tier_fields(candidate.get(name)),
+              "differs": differences(live.get(name), candidate.get(name))}
              for name in sorted(live.keys() | candidate.keys())]
-    since = judged.pop("since")
-    body = {"loaded": shadow is not None, "version": snapshot.version,
-            "files": list(shadow.files) if shadow is not None else [],
-            "fingerprint": shadow.fingerprint if shadow is not None else None,
-            "since": since, "tiers": tiers, "summary": judged}
+    body = {"loaded": True, "version": snapshot.version, "files": list(shadow.files),
+            "fingerprint": shadow.fingerprint, "since": judged.pop("since"), "tiers": tiers,
+            "summary": judged}
     return web.Response(body=orjson.dumps(body), content_type="application/json")

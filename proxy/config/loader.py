@@ -114,8 +114,8 @@ def load_config(folder: str | Path = ".") -> Config:
     live = Policies(**policies)
     shadow = _shadow(root / "policies" / "shadow", live, problems)
     if backends is not None and shadow is not None and "prices.toml" in shadow.files:
-        problems.extend(f"policies/shadow/{p.removeprefix('policies/')}" for p in
-                        check_request_life(backends.upstream, shadow.policies.prices))
+        problems.extend(_in_shadow(check_request_life(backends.upstream,
+                                                      shadow.policies.prices)))
     if problems or backends is None:
         raise ConfigError(problems)
     return Config(
@@ -170,13 +170,17 @@ def _shadow(folder: Path, live: Policies, problems: list[str]) -> ShadowPolicies
             found[path.stem] = loaded
             files.append(path.name)
     if "tiers" in found:
-        problems.extend(f"policies/shadow/{p.removeprefix('policies/')}"
-                        for p in check_tiers(found["tiers"]))
+        problems.extend(_in_shadow(check_tiers(found["tiers"])))
     if not files:
         return None
     shadow = msgspec.structs.replace(live, **found)
     both = msgspec.json.encode((live.tiers, live.prices, shadow.tiers, shadow.prices))
     return ShadowPolicies(shadow, tuple(files), hashlib.sha256(both).hexdigest()[:16])
+
+
+def _in_shadow(problems: list[str]) -> list[str]:
+    """A live file's problems as the shadow set's file's ("policies/shadow/tiers.toml: ...")."""
+    return [f"policies/shadow/{p.removeprefix('policies/')}" for p in problems]
 
 
 def _policy_files(folder: Path, problems: list[str]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from proxy.config import ShadowPolicies
+from proxy.credits.ledger import as_text
 from proxy.credits.pricing import format_credits
 from proxy.credits.shadow_windows import Ask, ShadowWindows
 from proxy.identity.principal import Principal
@@ -213,8 +214,7 @@ class Shadow:
 
 async def summary(redis: Store, fingerprint: str) -> dict[str, Any]:
     """What every worker judged under the shadow set `fingerprint`, since it was loaded."""
-    found = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
-                                                           else v)
+    found = {as_text(k): as_text(v)
              for k, v in (await redis.hgetall(summary_key(fingerprint))).items()}
     by_tier: dict[str, dict[str, Any]] = {}
 
@@ -228,8 +228,8 @@ async def summary(redis: Store, fingerprint: str) -> dict[str, Any]:
             tier(rest)["live_micro_credits" if kind == "lc" else "shadow_micro_credits"] = \
                 int(value)
         elif kind == "d":
-            name_, live, judged, reason = rest.split("|")
-            entry = tier(name_)
+            tier_name, live, judged, reason = rest.split("|")
+            entry = tier(tier_name)
             entry["decisions"].append({"live": live, "shadow": judged, "reason": reason,
                                        "count": int(value)})
             entry["requests"] += int(value)

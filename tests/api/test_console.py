@@ -28,9 +28,8 @@ from playwright.async_api import Browser, Page, expect
 from redis.asyncio import Redis
 
 from proxy.api import console, page_files
-from proxy.api.fleet_tally import TALLY
 from proxy.app import openapi_document
-from proxy.appkeys import DRAIN
+from proxy.appkeys import DRAIN, TALLY
 from proxy.credits.ledger import Ledger
 from proxy.store.redis_process import RedisProcess
 from tests.support.accounts import funded_key, new_key

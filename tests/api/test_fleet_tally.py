@@ -1,8 +1,8 @@
-"""The console's fleet-wide tally (proxy.api.fleet_tally) on a real redis-server and a real Redis
-Cluster, and GET /admin/overview on a running gateway: what two workers note adds up, in hour and
-minute buckets that age out, top lists ordered by amount then account, `top` checked (422, never
-a 500), a Redis it cannot reach dropped and counted, and no key, token or header in the errors it
-keeps."""
+"""The console's fleet-wide tally (proxy.observe.fleet_tally) on a real redis-server and a
+real Redis Cluster, and GET /admin/overview on a running gateway: what two workers note adds up,
+in hour and minute buckets that age out, top lists ordered by amount then account, `top`
+checked (422, never a 500), a Redis it cannot reach dropped and counted, and no key, token or
+header in the errors it keeps."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from proxy.api.fleet_tally import TALLY, FleetTally, overview, spend_key
+from proxy.api.console import read_overview as overview
+from proxy.appkeys import TALLY
 from proxy.credits.pricing import parse_credits
+from proxy.observe.fleet_tally import FleetTally, spend_key
 from proxy.observe.metrics import Labels, Metrics
 from proxy.observe.trace import Trace
 from proxy.store.client import Store, connect_redis

@@ -4,8 +4,8 @@ refusals per account, and errors by type, gathered in Redis from every worker an
 Each worker tallies its answered requests in memory (`note`, called by the middleware, and by
 the task runner for an async task's run: a few dict updates, never awaited), and a background
 task writes them to Redis in one pipeline about once a second (`run`). `/admin/overview` reads
-them back (`overview`). Every key carries the `{console}` hash tag, so on a Redis Cluster they
-share one slot and one ZUNION may span them.
+them back (proxy.api.console). Every key carries the `{console}` hash tag, so on a Redis
+Cluster they share one slot and one ZUNION may span them.
 
     igw:{console}:spend:<hour>     sorted set  account -> micro-credits charged in that UTC hour
     igw:{console}:refused:<hour>   sorted set  account -> refusals that hour: 402, 403, 429, and
@@ -17,9 +17,6 @@ A recent error is {ts, status, type, route, model, request_id}: the route's temp
 the router knows, never a key, token, header or body. A write Redis refuses is dropped, not
 retried (a retry could count twice): counted in igw_redis_errors_total{store="console tally"}
 and logged once per outage, the figures missing what it carried.
-
-It lives in api/, not observe/, because it formats charges with proxy.credits, which itself sits
-above observe/.
 """
 
 from __future__ import annotations
@@ -30,14 +27,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import orjson
-from aiohttp import web
 from redis.exceptions import RedisClusterException, RedisError
 
-from proxy.credits.ledger import as_text
-from proxy.credits.pricing import format_credits
 from proxy.errors import ErrorKind
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import Trace
@@ -150,52 +144,3 @@ class FleetTally:
             self._failing = True
             return
         self._failing = False
-
-
-# The worker's tally (set up in app.py's cleanup_ctx). Named here, not in proxy.appkeys: this
-# module is in api/, which appkeys, imported by every api module, must not import.
-TALLY: Final = web.AppKey("fleet_tally", FleetTally)
-
-
-async def overview(redis: Store, top: int, now: float) -> dict[str, Any]:
-    """The fleet's top `top` accounts by spend and by refusals over the last 24 hourly
-    buckets, and its errors by type over the last 60 minutes and the last 50 of them."""
-    hours = range(int(now // 3600) - SPEND_HOURS + 1, int(now // 3600) + 1)
-    minutes = range(int(now // 60) - ERROR_MINUTES + 1, int(now // 60) + 1)
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.zunion([spend_key(hour) for hour in hours], withscores=True)
-        pipe.zunion([refused_key(hour) for hour in hours], withscores=True)
-        pipe.lrange(RECENT, 0, RECENT_MAX - 1)
-        for minute in minutes:
-            pipe.hgetall(errors_key(minute))
-        spend, refused, recent, *errors = await pipe.execute()
-    return {
-        "window_s": SPEND_HOURS * 3600,
-        "top_spend": [{"account": account, "credits": format_credits(micro),
-                       "micro_credits": micro} for account, micro in _top(spend, top)],
-        "top_refused": [{"account": account, "refusals": count}
-                        for account, count in _top(refused, top)],
-        "errors": {"window_s": ERROR_MINUTES * 60, "by_type": _by_type(errors),
-                   "recent": [orjson.loads(entry) for entry in recent]},
-    }
-
-
-def _top(scored: list[tuple[Any, float]], top: int) -> list[tuple[str, int]]:
-    """The `top` highest (ties by account), scores as the integers they were summed from."""
-    pairs = sorted(((as_text(member), round(score)) for member, score in scored),
-                   key=lambda pair: (-pair[1], pair[0]))
-    return pairs[:top]
-
-
-def _by_type(minutes: list[dict[Any, Any]]) -> dict[str, dict[str, int]]:
-    """Error answers per type, most first; its status the one it was answered with most."""
-    counts: Counter[tuple[str, int]] = Counter()
-    for fields in minutes:
-        for kind, count in fields.items():
-            error, _, answered = as_text(kind).rpartition(" ")
-            counts[error, int(answered)] += int(count)
-    by_type: dict[str, dict[str, int]] = {}
-    for (error, status), count in counts.most_common():
-        seen = by_type.setdefault(error, {"count": 0, "status": status})
-        seen["count"] += count
-    return dict(sorted(by_type.items(), key=lambda item: (-item[1]["count"], item[0])))

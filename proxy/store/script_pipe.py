@@ -108,24 +108,11 @@ class ScriptPipe:
     async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Several commands in one write, their replies in order; an error reply raises (the
         first one), as redis-py's pipelines do, once every reply is in."""
-        futures = await self._send(commands)
-        # Replies come in the order the commands went (a failed link fails them all at once):
-        # once the last is in, every one is. One wait, not one callback per command.
-        try:
-            await futures[-1]
-        except asyncio.CancelledError:
-            for future in futures:
-                future.cancel()
-            raise
-        except Exception:  # read with the others below
-            pass
-        for future in futures:
-            error = future.exception()
-            if error is not None:
-                for other in futures:  # retrieved: none is reported as never read
-                    other.exception()
-                raise error
-        return [future.result() for future in futures]
+        replies = await asyncio.gather(*await self._send(commands), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies
 
     async def _send(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[Any]]:
         """Write `commands` at once; a future for each one's reply."""

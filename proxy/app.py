@@ -87,7 +87,7 @@ from proxy.pipeline import chat_route, queued, task_route
 from proxy.policy.live import RELOADS, LivePolicies
 from proxy.policy.shadowing import Shadow
 from proxy.store.background import stop_task
-from proxy.store.client import Store, connect_redis, rate_limit_redis_url
+from proxy.store.client import Store, connect_redis, follow_primary, rate_limit_redis_url
 from proxy.store.lease import Lease
 from proxy.styles.anthropic import AnthropicStyle
 from proxy.styles.base import ChatStyle
@@ -299,7 +299,9 @@ def _state_ctx(redis_url: str) -> Callable[[web.Application], AsyncIterator[None
                  asyncio.create_task(app[SETTLER].run()),
                  asyncio.create_task(sweep_media(app[MEDIA], app[REDIS])),
                  asyncio.create_task(app[SHADOW].run()),
-                 asyncio.create_task(app[TALLY].run())]
+                 asyncio.create_task(app[TALLY].run()),
+                 *(asyncio.create_task(follow_primary(store))  # Sentinels: the primary moved?
+                   for store in {app[REDIS], app[COUNTERS]})]
         alerts = Sender(app[REDIS], config.alerts)  # delivers alerts where it holds the lease
         tasks.append(asyncio.create_task(alerts.run()))
         yield

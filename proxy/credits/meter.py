@@ -247,7 +247,8 @@ class Meter:
             self.principal.account, self.hold.hold_id if self.hold else "", cost,
             self.hold.amount if self.hold else 0, result.status, self.model, units, entry,
             keep, ttl, tokens=tokens if self.hold is not None else None)
-        metering.settler.settle(metering.script, keys, args)
+        # A guest's usage entry is not idempotent (no hold id): never sent twice.
+        metering.settler.settle(metering.script, keys, args, repeatable=self.hold is not None)
         if tokens and self.hold is None:  # a guest's windows live on the rate-limit Redis
             metering.admitter.settle_tokens(self.principal, tokens)
         self.charged = (cost if self.hold is not None else 0, units)  # guests pay nothing

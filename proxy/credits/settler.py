@@ -13,18 +13,27 @@ the sweeper releases them, so a lost settlement never over-charges (reconcile re
 then).
 
 Each write names the key it goes to, so a batch is split by the primary that holds each key (one
-pipeline per Cluster node, as they all are with one Redis). With `ack_replicas`, each pipeline
-ends with a WAIT on the same connection: the batch is done once that many replicas have it, so a
-failover to one of them loses no settled charge. A part of a batch that fails is sent again where
-its keys are now (the Cluster's slot map is read again first).
+pipeline per Cluster node, as they all are with one Redis). A part of a batch that fails is sent
+again where its keys are now (the Cluster's slot map is read again first).
+
+With `ack_replicas`, each pipeline ends with a write that always replicates (a marker in the
+first key's slot) and a WAIT on the same connection: the batch is done once that many replicas
+have everything up to it, so a failover to one of them loses no settled charge. A write no
+replica confirmed within the WAIT's second is sent again with the next batch, until one does
+(for up to `CONFIRM_FOR_S`): on the same primary it is a no-op (its hold has ended) whose marker
+the WAIT then covers; on a replica promoted without it (a Sentinel's second, hasty failover
+discards what its short-lived primary took) the hold is gone and never ended there, so the
+charge is made anew, from what is available. Guests' usage entries are not sent again (they
+are not idempotent and carry no money).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -45,18 +54,26 @@ Command = tuple[Arg, ...]  # one Redis command and its arguments, as sent
 class Write:
     key: str  # the key it writes (all its keys share this one's slot)
     command: Command
+    repeatable: bool = True  # running it again changes nothing (a settle of a hold, SET, DEL)
+    unconfirmed_since: float = 0.0  # when it was first written and no replica confirmed it
 
 # ~16 s in all: a Redis restart fits, and a Cluster's or Sentinel's failover (a few seconds).
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 FLUSH_INTERVAL_S = 0.01  # a hold lives at most this much longer; Redis fsyncs <= 100 times a second
 MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are dropped
+# How long an unconfirmed write is sent again: within the two minutes settle.lua remembers an
+# ended hold, so a write that did land is never charged twice.
+CONFIRM_FOR_S = 60.0
+MARKER_MS = 60_000  # the marker's lifetime
 
 
 class Settler:
     def __init__(self, primaries: Primaries, scripts: Sequence[AsyncScript],
-                 metrics: Metrics | None = None, *, ack_replicas: int = 0) -> None:
+                 metrics: Metrics | None = None, *, ack_replicas: int = 0,
+                 confirm_for_s: float = CONFIRM_FOR_S) -> None:
         self._primaries = primaries
         self._ack_replicas = ack_replicas
+        self._confirm_for_s = confirm_for_s
         self._scripts = tuple(scripts)
         self._metrics = metrics
         self._pipes = ScriptPipes(primaries)  # one connection per primary
@@ -64,24 +81,26 @@ class Settler:
         self._flushing = 0
         self._wake = asyncio.Event()
         self.lost = 0  # writes dropped after every retry failed
-        self.unreplicated = 0  # writes that fewer than `ack_replicas` replicas confirmed in time
+        self.unreplicated = 0  # writes no replica confirmed, given up on (at risk in a failover)
 
     @property
     def pending(self) -> int:
         """Writes queued or being flushed."""
         return len(self._queue) + self._flushing
 
-    def add(self, key: str, command: Command) -> None:
+    def add(self, key: str, command: Command, *, repeatable: bool = True) -> None:
         """Queue a write to `key` (and keys in its slot)."""
         if len(self._queue) >= MAX_QUEUED:
             self._queue.pop(0)
             self._lose(1)
-        self._queue.append(Write(key, command))
+        self._queue.append(Write(key, command, repeatable))
         self._wake.set()
 
-    def settle(self, script: AsyncScript, keys: Sequence[str], args: Sequence[Arg]) -> None:
+    def settle(self, script: AsyncScript, keys: Sequence[str], args: Sequence[Arg], *,
+               repeatable: bool = True) -> None:
         """Queue one call of a registered script."""
-        self.add(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args))
+        self.add(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args),
+                 repeatable=repeatable)
 
     async def run(self) -> None:
         """Flush forever (the app's cleanup cancels it, then calls `drain`)."""
@@ -110,7 +129,9 @@ class Settler:
                 while self._queue:
                     await self.flush()
         except TimeoutError:
-            self._lose(len(self._queue))
+            written = [w for w in self._queue if w.unconfirmed_since]  # landed, unconfirmed
+            self._unreplicated(len(written))
+            self._lose(len(self._queue) - len(written))
         await self._pipes.close()
 
     async def _write(self, batch: list[Write]) -> None:
@@ -154,17 +175,38 @@ class Settler:
         except RedisError as exc:
             return exc
         if self._ack_replicas and int(str(replies[-1])) < self._ack_replicas:
-            self.unreplicated += len(writes)
-            if self._metrics is not None:
-                self._metrics.settlements_unreplicated.inc(len(writes))
-            log.warning("%d settlement write(s) reached %d of %d replica(s) in time; a "
-                        "failover now could lose them", len(writes), replies[-1],
-                        self._ack_replicas)
+            self._unconfirmed(writes, int(str(replies[-1])))
         return None
+
+    def _unconfirmed(self, writes: list[Write], confirmed: int) -> None:
+        """No replica confirmed `writes` in time: send the repeatable ones again (with the next
+        batch), for up to `confirm_for_s` since first written; count the others as at risk."""
+        now = time.monotonic()
+        again = [replace(w, unconfirmed_since=w.unconfirmed_since or now) for w in writes
+                 if w.repeatable and now - (w.unconfirmed_since or now) < self._confirm_for_s]
+        if again:
+            self._queue[:0] = again
+            self._wake.set()
+        self._unreplicated(len(writes) - len(again))
+        log.warning("%d settlement write(s) reached %d of %d replica(s) in time; %d sent again "
+                    "until one does", len(writes), confirmed, self._ack_replicas, len(again))
+
+    def _unreplicated(self, count: int) -> None:
+        if not count:
+            return
+        self.unreplicated += count
+        if self._metrics is not None:
+            self._metrics.settlements_unreplicated.inc(count)
+        log.error("%d settlement write(s) no replica confirmed; a failover now could lose them",
+                  count)
 
     async def _pipeline(self, client: Redis, writes: list[Write]) -> list[object]:
         commands = [write.command for write in writes]
-        if self._ack_replicas:  # on the same connection: WAIT counts that connection's writes
+        if self._ack_replicas:
+            # A marker that always replicates, then WAIT on the same connection (it counts
+            # that connection's writes): a batch of writes that changed nothing (sent again,
+            # already done) is confirmed only once a replica has what came before it.
+            commands.append(("SET", marker_key(writes[0].key), b"1", "PX", MARKER_MS))
             commands.append(("WAIT", self._ack_replicas, ACK_TIMEOUT_MS))
         return await self._pipes.pipe(client).pipeline(commands)
 
@@ -176,8 +218,19 @@ class Settler:
             pass  # the next attempt fails on its own and is retried
 
     def _lose(self, count: int) -> None:
+        if not count:
+            return
         self.lost += count
         if self._metrics is not None:
             self._metrics.settlements_lost.inc(count)
         log.error("%d settlement write(s) lost after retries; their holds expire and are "
                   "released by the sweeper", count)
+
+
+def marker_key(key: str) -> str:
+    """A key in `key`'s Cluster slot: its hash tag (the first `{...}`, not empty), or the whole
+    key as one."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    tag = key[start + 1:end] if end > start + 1 else key
+    return f"igw:{{{tag}}}:replicated"

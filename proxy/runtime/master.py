@@ -42,6 +42,7 @@ from proxy.store.background import stop_task
 from proxy.store.client import (
     RATE_LIMIT_URL_ENV,
     connect_redis,
+    follow_primary,
     rate_limit_redis_url,
     store_kind,
     url_problem,
@@ -99,6 +100,7 @@ class Master:
     async def _serve(self) -> int:
         redis = connect_redis(self.redis_url)
         supervisor = Supervisor(self.config, redis)
+        follower = asyncio.create_task(follow_primary(redis))
         scraper = asyncio.create_task(SignalScraper(
             self.config.backends, redis, signals_key(self.config.root),
             self.config.health.engine_signals_s).run())
@@ -116,6 +118,7 @@ class Master:
             # redis-py's timeout handling can be swallowed (`serve` then hung on SIGTERM).
             await stop_task(scraper)
             await supervisor.stop()
+            await stop_task(follower)
             await redis.aclose()
         return 0
 

@@ -50,6 +50,7 @@ POOL_WAIT_S = 2.0
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 ACK_TIMEOUT_MS = 1000  # how long a WAIT for replicas may hold a settlement batch or a top-up
+FOLLOW_S = 0.5  # how often a Sentinel client asks the Sentinels which server is the primary
 RATE_LIMIT_URL_ENV = "GATEWAY_RATELIMIT_REDIS_URL"
 
 
@@ -100,6 +101,42 @@ class _Cluster(RedisCluster):
             return await _waiting(lambda: command(*args, **kwargs))
         except RedisClusterException as exc:
             raise RedisConnectionError("no Redis Cluster node reachable") from exc
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """The Sentinels' primary's pool, which never hands out a connection to a server they no
+    longer name. redis-py asks only when a connection is made, so a pooled connection would
+    stay with the old primary; and after a second, hasty failover that server can still be up
+    and a primary for seconds, taking writes that are discarded once it becomes a replica."""
+
+    async def ensure_connection(self, connection: Any) -> None:
+        if (self.master_address is not None and connection.is_connected
+                and (connection.host, connection.port) != self.master_address):
+            await connection.disconnect()
+        await super().ensure_connection(connection)
+
+
+async def follow_primary(store: Store) -> None:
+    """Forever (a background task): ask the Sentinels every FOLLOW_S which server is the
+    primary; when it changes, every connection to the old one is dropped before its next
+    command (here, in `_SentinelPool`, and in the script pipes). No-op for other stores."""
+    pool = store.connection_pool if isinstance(store, Redis) else None
+    if not isinstance(pool, SentinelConnectionPool):
+        return
+    while True:
+        # A failed ask changes nothing: no Sentinel answering is the next command's error.
+        with contextlib.suppress(RedisError, OSError):
+            await pool.get_master_address()  # type: ignore[no-untyped-call]
+        await asyncio.sleep(FOLLOW_S)
+
+
+def primary_address(store: Redis) -> Callable[[], tuple[str, int] | None]:
+    """The address of the server the Sentinels last named primary (None: not a Sentinel
+    client, or not asked yet), as `follow_primary` keeps it."""
+    pool = store.connection_pool
+    if isinstance(pool, SentinelConnectionPool):
+        return lambda: pool.master_address
+    return lambda: None
 
 
 class _SentinelPrimary(Redis):
@@ -180,7 +217,8 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
         **credentials, **tls, **timeouts, **_retry())
     db = int(path[1]) if len(path) > 1 else 0
     primary: Redis = sentinel.master_for(path[0], db=db, max_connections=POOL_SIZE,
-                                         redis_class=_SentinelPrimary)
+                                         redis_class=_SentinelPrimary,
+                                         connection_pool_class=_SentinelPool)
     return primary
 
 
@@ -270,5 +308,6 @@ class Primaries:
 
 
 __all__ = ["RATE_LIMIT_URL_ENV", "Primaries", "Store", "StoreBusy",
-           "connect_redis", "listener_client", "node_client", "rate_limit_redis_url",
+           "connect_redis", "follow_primary", "listener_client", "node_client",
+           "primary_address", "rate_limit_redis_url",
            "store_kind", "url_problem", "wait_for_replicas"]

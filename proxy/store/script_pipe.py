@@ -55,7 +55,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from proxy.store.client import Primaries
+from proxy.store.client import Primaries, primary_address
 
 REPLY_TIMEOUT_S = 2.0
 _PENDING = object()  # hiredis' answer while a reply is still incomplete
@@ -89,6 +89,7 @@ class ScriptPipe:
         kwargs["socket_timeout"] = None
         connection_class = redis.connection_pool.connection_class
         self._make: Callable[[], AbstractConnection] = lambda: connection_class(**kwargs)
+        self._primary = primary_address(redis)
         self._link: _Link | None = None
         self._connecting = asyncio.Lock()
         self._closing: set[asyncio.Task[None]] = set()
@@ -117,14 +118,22 @@ class ScriptPipe:
     async def _send(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[Any]]:
         """Write `commands` at once; a future for each one's reply."""
         link = self._link
-        if link is None or not link.open:
+        if link is None or not link.open or self._moved(link):
             link = await self._connect()
         return link.send(b"".join(resp_command(
             [link.run if arg is SERVER_RUN else arg for arg in command] if SERVER_RUN in command
             else command) for command in commands), len(commands))
 
+    def _moved(self, link: _Link) -> bool:
+        """The Sentinels named another primary since `link` was made (see follow_primary)."""
+        primary = self._primary()
+        return primary is not None and primary != link.address
+
     async def _connect(self) -> _Link:
         async with self._connecting:
+            if self._link is not None and self._link.open and self._moved(self._link):
+                self._retire(self._link)
+                self._link = None
             if self._link is None or not self._link.open:
                 conn = self._make()
                 try:  # the handshake is a reply like any other: bounded alike
@@ -141,6 +150,16 @@ class ScriptPipe:
                     raise InvalidResponse("INFO server named no run_id")
                 self._link = _Link(conn, self._disconnect, found[1])
             return self._link
+
+    def _retire(self, link: _Link) -> None:
+        """Let the calls in flight on `link` have their replies (bounded), then close it."""
+        async def retire() -> None:
+            await link.finish(REPLY_TIMEOUT_S)
+            link.fail(RedisConnectionError("the primary moved"))
+
+        closing = asyncio.get_running_loop().create_task(retire())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     def _disconnect(self, conn: AbstractConnection) -> None:
         # nowait: redis-py's reader no longer sees the socket, so it would wait for a close
@@ -165,6 +184,7 @@ class _Link(asyncio.Protocol):
                  disconnect: Callable[[AbstractConnection], None], run: bytes) -> None:
         self.open = True
         self.run = run  # the run id of the Redis process at the other end
+        self.address = (getattr(conn, "host", None), getattr(conn, "port", None))
         self._conn = conn
         self._disconnect = disconnect
         self._loop = asyncio.get_running_loop()

@@ -24,3 +24,6 @@ def stacks(tmp_path: Path) -> Iterator[list[Stack]]:
     yield started
     for stack in started:
         stack.close()
+        errors = stack.errors()
+        if errors:  # shown with a failing test's output
+            print(f"\n--- errors logged by the gateway in {stack.folder.parent}:\n{errors}")

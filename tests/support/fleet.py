@@ -122,6 +122,20 @@ class Stack:
     def workers(self) -> list[int]:
         return [p.pid for p in self.tree() if "proxy.runtime.worker" in cmdline(p)]
 
+    def errors(self, limit: int = 200) -> str:
+        """The log's ERROR records with their tracebacks (at most `limit` lines): printed when a
+        test ends, so a failure in CI shows what the gateway said."""
+        lines: list[str] = []
+        keep = False
+        for line in self.log.read_text(errors="replace").splitlines():
+            if " ERROR " in line or line.startswith("Traceback"):
+                keep = True
+            elif line[:4].isdigit():  # the next record
+                keep = False
+            if keep:
+                lines.append(line)
+        return "\n".join(lines[-limit:])
+
     def close(self) -> None:
         self.tree()
         if self.proc.poll() is None:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal
 import msgspec
 from msgspec import Meta
 
+from proxy.credits.pricing import MEDIA_KEYS
 from proxy.validate import ErrorItem, Loc, validate_with, value_error
 
 __all__ = [
@@ -64,6 +65,28 @@ STREAM_RULES: Final[list[JSONObject]] = [
                {"properties": {"mode": {"enum": ["auto", "direct", None]}}}]},
 ]
 _TEXT_OR_PARTS: Final[JSONObject] = {"type": ["string", "array"]}
+# What families/chat.check_media refuses in a content part (422), as JSON Schema: embeddings
+# (by key, or vLLM's `prompt_embeds` type), a media URL other than a data: URL, a `file_id`.
+_DATA_URL: Final[JSONObject] = {"type": "string", "pattern": "^[dD][aA][tT][aA]:"}
+_MEDIA_VALUE: Final[JSONObject] = {"anyOf": [
+    _DATA_URL,
+    {"type": "object", "required": ["url"], "properties": {"url": _DATA_URL}},
+    {"type": "object", "properties": {"url": {"not": {"type": "string"}}},
+     "anyOf": [{"required": ["file_data"], "properties": {"file_data": {"type": "string"}}},
+               {"required": ["data"], "properties": {"data": {"type": "string"}}},
+               {"not": {"required": ["file_id"]}}]},
+    {"not": {"type": ["string", "object"]}},
+]}
+_CONTENT_PART: Final[JSONObject] = {"allOf": [
+    {"description": "embeddings are not accepted: send the media itself",
+     "not": {"anyOf": [*({"required": [key]} for key, kind in MEDIA_KEYS.items()
+                         if kind == "embeds"),
+                       {"required": ["type"],
+                        "properties": {"type": {"const": "prompt_embeds"}}}]}},
+    *({"description": f"{key}: inline only (a data: URL or base64), not a URL or a file_id",
+       "if": {"required": [key]}, "then": {"properties": {key: _MEDIA_VALUE}}}
+      for key, kind in MEDIA_KEYS.items() if kind != "embeds"),
+]}
 
 
 class _Open(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -88,6 +111,7 @@ class ChatMessage(_Open):
     # chat_usage_rules' per-message rules, as the OpenAPI document states them (openapi.py
     # merges `json_schema_rules` into the component).
     json_schema_rules: ClassVar[JSONObject] = {"allOf": [
+        {"properties": {"content": {"items": _CONTENT_PART}}},
         {"description": "system, user and tool messages need content (not null)",
          "if": {"properties": {"role": {"enum": ["system", "user", "tool"]}}},
          "then": {"required": ["content"], "properties": {"content": _TEXT_OR_PARTS}}},

@@ -219,3 +219,31 @@ def test_walker_agrees_with_msgspec(payload: dict[str, Any]) -> None:
 @given(st.dictionaries(st.sampled_from(SPEC_FIELDS), st.floats() | st.integers() | JSON_VALUES))
 def test_nan_infinity_and_huge_numbers_are_refused_cleanly(payload: dict[str, Any]) -> None:
     assert_outcome(payload)
+
+
+MEDIA_PARTS = [
+    {"type": "text", "text": "hi"}, {"image_pil": 1}, {"image_embeds": "e"},
+    {"type": "prompt_embeds", "data": "e"}, {"image_url": "http://x"}, {"image_url": "data:,x"},
+    {"image_url": {"url": "DATA:image/png;base64,AA=="}}, {"image_url": {"url": "https://a"}},
+    {"file": {"file_id": "f"}}, {"file": {"file_id": "f", "file_data": "abc"}},
+    {"input_audio": {"data": "abc", "format": "wav"}}, {"video_url": 5}, {"audio_url": {}},
+    {"image_url": {"url": 3, "file_id": 1}}, {"audio_url": "ftp://x", "image_url": "data:,"},
+]
+
+
+@pytest.mark.parametrize("part", MEDIA_PARTS, ids=lambda part: orjson.dumps(part).decode())
+def test_the_document_says_which_content_parts_the_gateway_refuses(part: dict[str, Any]
+                                                                   ) -> None:
+    """The published message schema and the media check (families/chat.check_media) accept
+    the same content parts: embeddings, URLs the engine would fetch, file ids are refused by
+    both (schemathesis found a part the document allowed and the gateway refused)."""
+    from jsonschema import Draft202012Validator
+
+    from proxy.credits.pricing import media_parts
+    from proxy.families.chat import _unusable
+
+    doc = chat_document()
+    message = {"$ref": "#/components/schemas/ChatMessage", "components": doc["components"]}
+    schema_ok = Draft202012Validator(message).is_valid({"role": "user", "content": [part]})
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    assert schema_ok == all(_unusable(p) is None for p in media_parts(body))

@@ -97,10 +97,19 @@ async def test_a_stream_has_the_same_framing_and_usage_chunk(pair: tuple[str, st
     assert "Content-Length" not in sim_headers and "Content-Length" not in real_headers
     real_events, sim_events = events(real), events(sim)
     assert real_events[-1] == sim_events[-1] == b"[DONE]"
-    # role chunk, 4 content chunks (finish_reason on the last), then the usage chunk if asked
-    assert len(sim_events) == len(real_events) == 6 + usage
-    for real_event, sim_event in zip(real_events[:-1], sim_events[:-1], strict=True):
-        assert shape(orjson.loads(sim_event)) == shape(orjson.loads(real_event))
+    # role chunk, 4 content chunks (finish_reason on the last), then the usage chunk if asked.
+    # vLLM sends what each engine step made; outputs that queue up while the API server is
+    # busy go out merged in one chunk (a loaded full run saw 3 content chunks for 4 tokens).
+    assert len(sim_events) == 6 + usage
+    assert 3 + usage <= len(real_events) <= 6 + usage
+    real_chunks = [shape(orjson.loads(e)) for e in real_events[:-1]]
+    sim_chunks = [shape(orjson.loads(e)) for e in sim_events[:-1]]
+    last = -1 - usage  # the content chunk with finish_reason
+    assert sim_chunks[0] == real_chunks[0]  # the role chunk
+    assert sim_chunks[last] == real_chunks[last]
+    assert all(chunk == sim_chunks[1] for chunk in real_chunks[1:last])  # plain content
+    if usage:
+        assert sim_chunks[-1] == real_chunks[-1]
 
 
 async def test_models_list_is_the_same(pair: tuple[str, str]) -> None:

@@ -169,7 +169,10 @@ async def add_credits(request: web.Request) -> web.Response:
     except InsufficientCredits:  # the request is fine; the balance it meets is not
         raise GatewayError(ErrorKind.CONFLICT,
                            "the adjustment would take the balance below zero") from None
-    except ResponseError:  # Redis refused the arithmetic: a balance beyond what it holds
+    except ResponseError as exc:
+        if "overflow" not in str(exc):  # not the arithmetic: the store failing over under it
+            raise store_unavailable("credit store") from None
+        # Redis refused the arithmetic: a balance beyond what it holds
         raise GatewayError(ErrorKind.CONFLICT, "the balance cannot grow that large") from None
     except RedisError:
         raise store_unavailable("credit store") from None

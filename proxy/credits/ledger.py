@@ -34,6 +34,7 @@ accounts; it is only an index — losing an entry never changes money.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ from importlib import resources
 from typing import Any
 
 import orjson
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.credits.budgets import cap_name, key_cap_problem
 from proxy.ids import hex_id
@@ -49,7 +53,14 @@ from proxy.store.script_pipe import SERVER_RUN
 
 log = logging.getLogger("proxy.credits.ledger")
 
+
+def _failing_over(exc: RedisError) -> bool:
+    """An answer that means the primary is failing over (the write may or may not have run)."""
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError) or \
+        "UNBLOCKED" in str(exc)
+
 ACCOUNTS = "igw:ledger:accounts"
+CREDIT_TRIES = 5  # a top-up no replica confirmed is sent again (each try waits up to 1 s)
 WATCHED = "igw:alerts:accounts"  # accounts that may record alerts (proxy.credits.webhooks)
 HOLDS_TAG = "@run"  # in an account's holds hash: the run id of the Redis that placed them
 Arg = bytes | str | int | float  # what a script's ARGV takes
@@ -191,15 +202,33 @@ class Ledger:
         """Top up (or adjust, when negative); journaled. Returns the new available balance."""
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
-        # The script and its WAIT share one connection of the account's primary.
-        async with self.primaries.client_for(keys.balance).pipeline(transaction=False) as pipe:
-            await self._credit(keys=[keys.balance, keys.journal, keys.ended],
-                               args=[amount, orjson.dumps(details), hex_id()], client=pipe)
-            wait_for_replicas(pipe, self.ack_replicas)
-            (ok, available), *acks = await pipe.execute()
-        if acks and int(acks[0]) < self.ack_replicas:
-            log.warning("a top-up of %s reached %s of %d replica(s) in time; a failover now "
-                        "could lose it", account, acks[0], self.ack_replicas)
+        credit_id = hex_id()
+        # The script and its WAIT share one connection of the account's primary. One no
+        # replica confirmed is sent again (its id makes that a no-op where it landed), so a
+        # replica promoted without it still gets it, as the settler does with charges.
+        for attempt in range(CREDIT_TRIES):
+            client = self.primaries.client_for(keys.balance)
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    await self._credit(keys=[keys.balance, keys.journal, keys.ended],
+                                       args=[amount, orjson.dumps(details), credit_id],
+                                       client=pipe)
+                    wait_for_replicas(pipe, keys.balance, self.ack_replicas)
+                    (ok, available), *acks = await pipe.execute()
+            except RedisError as exc:
+                # The primary failing over under it (its WAIT is "UNBLOCKED" as it becomes a
+                # replica, READONLY, a lost connection): whether it ran or not, again.
+                if attempt == CREDIT_TRIES - 1 or not _failing_over(exc):
+                    raise
+                await asyncio.sleep(0.1)
+                await self.primaries.refresh()
+                continue
+            if not acks or int(acks[-1]) >= self.ack_replicas:
+                break
+            if attempt == CREDIT_TRIES - 1:
+                log.error("a top-up of %s reached %s of %d replica(s) after %d tries; a "
+                          "failover now could lose it", account, acks[-1], self.ack_replicas,
+                          CREDIT_TRIES)
         if not ok:
             raise InsufficientCredits(int(available), -amount)
         return int(available)

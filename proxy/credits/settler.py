@@ -41,7 +41,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from proxy.credits.ledger import Arg
 from proxy.observe.metrics import Metrics
-from proxy.store.client import ACK_TIMEOUT_MS, Primaries
+from proxy.store.client import Primaries, replica_wait
 from proxy.store.script_pipe import ScriptPipes
 
 log = logging.getLogger("proxy.settler")
@@ -64,7 +64,6 @@ MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are 
 # How long an unconfirmed write is sent again: within the two minutes settle.lua remembers an
 # ended hold, so a write that did land is never charged twice.
 CONFIRM_FOR_S = 60.0
-MARKER_MS = 60_000  # the marker's lifetime
 
 
 class Settler:
@@ -202,12 +201,7 @@ class Settler:
 
     async def _pipeline(self, client: Redis, writes: list[Write]) -> list[object]:
         commands = [write.command for write in writes]
-        if self._ack_replicas:
-            # A marker that always replicates, then WAIT on the same connection (it counts
-            # that connection's writes): a batch of writes that changed nothing (sent again,
-            # already done) is confirmed only once a replica has what came before it.
-            commands.append(("SET", marker_key(writes[0].key), b"1", "PX", MARKER_MS))
-            commands.append(("WAIT", self._ack_replicas, ACK_TIMEOUT_MS))
+        commands += replica_wait(writes[0].key, self._ack_replicas)
         return await self._pipes.pipe(client).pipeline(commands)
 
     async def _load_scripts(self, client: Redis) -> None:
@@ -226,11 +220,3 @@ class Settler:
         log.error("%d settlement write(s) lost after retries; their holds expire and are "
                   "released by the sweeper", count)
 
-
-def marker_key(key: str) -> str:
-    """A key in `key`'s Cluster slot: its hash tag (the first `{...}`, not empty), or the whole
-    key as one."""
-    start = key.find("{")
-    end = key.find("}", start + 1) if start >= 0 else -1
-    tag = key[start + 1:end] if end > start + 1 else key
-    return f"igw:{{{tag}}}:replicated"

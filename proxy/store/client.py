@@ -50,6 +50,7 @@ POOL_WAIT_S = 2.0
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 ACK_TIMEOUT_MS = 1000  # how long a WAIT for replicas may hold a settlement batch or a top-up
+MARKER_MS = 60_000  # the replication marker's lifetime (replica_wait)
 FOLLOW_S = 0.5  # how often a Sentinel client asks the Sentinels which server is the primary
 RATE_LIMIT_URL_ENV = "GATEWAY_RATELIMIT_REDIS_URL"
 
@@ -222,12 +223,27 @@ def connect_redis(url: str, *, timeout_s: float = 2.0) -> Store:
     return primary
 
 
-def wait_for_replicas(pipe: Pipeline, replicas: int) -> None:
-    """End `pipe` with a WAIT, so its writes are done only once `replicas` replicas have them
-    (at most ACK_TIMEOUT_MS). WAIT counts its own connection's writes: it must ride the same
-    pipeline; its reply (the replicas that confirmed) is the pipeline's last."""
-    if replicas:
-        pipe.execute_command("WAIT", replicas, ACK_TIMEOUT_MS)
+def replica_wait(key: str, replicas: int) -> list[tuple[str | int | bytes, ...]]:
+    """The commands that end a pipeline of writes whose first key is `key`, so they are done
+    only once `replicas` replicas have them (at most ACK_TIMEOUT_MS): a marker write that
+    always replicates, in `key`'s Cluster slot, then WAIT (its reply, the replicas that
+    confirmed, is the pipeline's last). WAIT counts its own connection's writes, up to its
+    last one that replicated: the marker makes that this pipeline's, even when every other
+    write in it changed nothing (sent again, already done), and so covers whatever the primary
+    took before it. None without `replicas`."""
+    if not replicas:
+        return []
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    tag = key[start + 1:end] if end > start + 1 else key  # Redis' hash tag rule
+    return [("SET", f"igw:{{{tag}}}:replicated", b"1", "PX", MARKER_MS),
+            ("WAIT", replicas, ACK_TIMEOUT_MS)]
+
+
+def wait_for_replicas(pipe: Pipeline, key: str, replicas: int) -> None:
+    """End `pipe` (writes whose first key is `key`) with `replica_wait`'s commands."""
+    for command in replica_wait(key, replicas):
+        pipe.execute_command(*command)
 
 
 def url_problem(url: str) -> str | None:
@@ -309,5 +325,5 @@ class Primaries:
 
 __all__ = ["RATE_LIMIT_URL_ENV", "Primaries", "Store", "StoreBusy",
            "connect_redis", "follow_primary", "listener_client", "node_client",
-           "primary_address", "rate_limit_redis_url",
+           "primary_address", "rate_limit_redis_url", "replica_wait",
            "store_kind", "url_problem", "wait_for_replicas"]

@@ -14,6 +14,8 @@ from aiohttp.test_utils import TestServer
 from jsonschema import Draft202012Validator
 
 from proxy.app import openapi_document
+from proxy.appkeys import REDIS
+from proxy.credits.ledger import AccountKeys
 from tests.support.config_files import GENEROUS_TIERS, MODEL
 from tests.support.gateway import GatewayFactory
 from tests.support.upstreams import SimulatorFactory, sim_requests
@@ -67,6 +69,13 @@ async def test_credit_amounts_and_accounts_are_checked(gw: TestServer) -> None:
     assert (status, body["error"]["type"]) == (409, "conflict")  # below zero
     status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": "2.5"})
     assert status == 201 and body["available"]["micro_credits"] == 2_500_000
+    # A balance past what Redis' integers hold is refused as a conflict (the store's other
+    # refusals, a failover's, are a 503: not this).
+    near = 2**63 - 1_000_000  # as if credited so much (the journal's checkpoint says so too)
+    await gw.app[REDIS].hset(AccountKeys.of("acme").balance, mapping={
+        "available": near, "credited": near, "trimmed_credited": near - 2_500_000})
+    status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": "2"})
+    assert (status, body["error"]["type"]) == (409, "conflict"), body
 
 
 async def test_served_document_names_the_tiers_and_models_of_now(

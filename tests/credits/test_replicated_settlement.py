@@ -111,7 +111,8 @@ async def test_a_charge_the_old_primary_took_unconfirmed_is_made_on_the_next(
     """A Sentinel's second, hasty failover: the primary the gateway writes to stays up and a
     primary for a while after the Sentinels named another, which lacks what it took since.
     The gateway follows the Sentinels (every connection, the settler's and admission's pipes
-    included) and the charges it took unconfirmed are made on the new primary, once each."""
+    included) and the charges and the top-up it took unconfirmed are made on the new primary,
+    once each."""
     with SentinelProcesses(tmp_path / "sentinel", replicas=1) as sentinels:
         redis = connect_redis(sentinels.url)
         follower = asyncio.create_task(follow_primary(redis))
@@ -132,6 +133,9 @@ async def test_a_charge_the_old_primary_took_unconfirmed_is_made_on_the_next(
                 settler.settle(ledger.settle_script, keys, args)
             await settler.flush()  # the old primary takes both; no replica confirms them
             assert settler.pending == 2 and (await ledger.balance("acme")).spent == 70
+            # A top-up meanwhile: no replica confirms it either; it is sent again each second.
+            topup = asyncio.create_task(ledger.credit("acme", 500, {"reason": "top-up"}))
+            await asyncio.sleep(0.5)
 
             for sentinel in sentinels.sentinels:  # the Sentinels now name the other server
                 with sentinel.client() as client:
@@ -149,8 +153,11 @@ async def test_a_charge_the_old_primary_took_unconfirmed_is_made_on_the_next(
                 assert time.monotonic() < deadline, "the charges were never confirmed"
                 await settler.flush()
             assert settler.unreplicated == 0 and settler.lost == 0
+            await topup
             balance = await ledger.balance("acme")
-            assert (balance.spent, balance.held) == (70, 0), balance
+            assert (balance.credited, balance.spent, balance.held) == (1500, 70, 0), balance
+            credits = [e for e in await ledger.all_entries("acme") if e["type"] == "credit"]
+            assert [e["amount"] for e in credits] == [1000, 500], credits  # each once
             charges = [e for e in await ledger.all_entries("acme") if e["type"] == "charge"]
             assert sorted(e["cost"] for e in charges) == [30, 40], charges
             assert await ledger.reconcile(["acme"]) == []

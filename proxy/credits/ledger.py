@@ -42,22 +42,14 @@ from importlib import resources
 from typing import Any
 
 import orjson
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from proxy.credits.budgets import cap_name, key_cap_problem
 from proxy.ids import hex_id
-from proxy.store.client import Primaries, Store, wait_for_replicas
+from proxy.store.client import Primaries, Store, failing_over, wait_for_replicas
 from proxy.store.script_pipe import SERVER_RUN
 
 log = logging.getLogger("proxy.credits.ledger")
-
-
-def _failing_over(exc: RedisError) -> bool:
-    """An answer that means the primary is failing over (the write may or may not have run)."""
-    return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError) or \
-        "UNBLOCKED" in str(exc)
 
 ACCOUNTS = "igw:ledger:accounts"
 CREDIT_TRIES = 5  # a top-up no replica confirmed is sent again (each try waits up to 1 s)
@@ -218,7 +210,7 @@ class Ledger:
             except RedisError as exc:
                 # The primary failing over under it (its WAIT is "UNBLOCKED" as it becomes a
                 # replica, READONLY, a lost connection): whether it ran or not, again.
-                if attempt == CREDIT_TRIES - 1 or not _failing_over(exc):
+                if attempt == CREDIT_TRIES - 1 or not failing_over(exc):
                     raise
                 await asyncio.sleep(0.1)
                 await self.primaries.refresh()

@@ -38,7 +38,12 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
+from redis.exceptions import (
+    MaxConnectionsError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.config import Config
@@ -240,6 +245,14 @@ def replica_wait(key: str, replicas: int) -> list[tuple[str | int | bytes, ...]]
             ("WAIT", replicas, ACK_TIMEOUT_MS)]
 
 
+def failing_over(exc: RedisError) -> bool:
+    """An answer that means the primary is failing over, so a write may or may not have run:
+    a lost connection or no reply, READONLY (it is a replica now), or a WAIT the server ended
+    as it became one ("UNBLOCKED")."""
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError) or \
+        "UNBLOCKED" in str(exc)
+
+
 def wait_for_replicas(pipe: Pipeline, key: str, replicas: int) -> None:
     """End `pipe` (writes whose first key is `key`) with `replica_wait`'s commands."""
     for command in replica_wait(key, replicas):
@@ -324,6 +337,6 @@ class Primaries:
 
 
 __all__ = ["RATE_LIMIT_URL_ENV", "Primaries", "Store", "StoreBusy",
-           "connect_redis", "follow_primary", "listener_client", "node_client",
+           "connect_redis", "failing_over", "follow_primary", "listener_client", "node_client",
            "primary_address", "rate_limit_redis_url", "replica_wait",
            "store_kind", "url_problem", "wait_for_replicas"]

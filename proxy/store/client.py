@@ -34,7 +34,7 @@ from redis.asyncio import (
     SentinelConnectionPool,
 )
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -105,6 +105,31 @@ class _Cluster(RedisCluster):
             # burst of first commands would each remap it.
             await self.initialize()
             return await _waiting(lambda: command(*args, **kwargs))
+        except RedisClusterException as exc:
+            raise RedisConnectionError("no Redis Cluster node reachable") from exc
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None
+                 ) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _ClusterPipeline(ClusterPipeline):
+    """redis-py's Cluster pipeline, whose "no node reachable" (raised as it maps the slots,
+    or sends) is a connection error as well: callers handle RedisError, and a worker's task
+    that reads the fleet's state died of the bare RedisClusterException."""
+
+    async def initialize(self) -> ClusterPipeline:
+        try:
+            return await super().initialize()
+        except RedisClusterException as exc:
+            raise RedisConnectionError("no Redis Cluster node reachable") from exc
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True
+                      ) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
         except RedisClusterException as exc:
             raise RedisConnectionError("no Redis Cluster node reachable") from exc
 

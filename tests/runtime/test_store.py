@@ -116,6 +116,22 @@ async def test_a_lease_is_not_held_while_the_store_is_down() -> None:
         await redis.aclose()
 
 
+async def test_a_cluster_with_no_node_reachable_is_a_connection_error_to_every_caller(
+        ) -> None:
+    """Commands and pipelines alike (redis-py raises a bare RedisClusterException, which a
+    caller handling RedisError missed: a worker's fleet-state reader died of it)."""
+    redis = connect_redis(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.2)
+    try:
+        with pytest.raises(RedisConnectionError):
+            await redis.get("k")
+        with pytest.raises(RedisConnectionError):
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.get("k")
+                await pipe.execute()
+    finally:
+        await redis.aclose()
+
+
 @pytest.mark.timeout(120)
 async def test_a_burst_past_the_pool_waits_for_a_connection_on_a_cluster_and_sentinel(
         tmp_path: Path) -> None:

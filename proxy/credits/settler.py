@@ -19,12 +19,13 @@ again where its keys are now (the Cluster's slot map is read again first).
 With `ack_replicas`, each pipeline ends with a write that always replicates (a marker in the
 first key's slot) and a WAIT on the same connection: the batch is done once that many replicas
 have everything up to it, so a failover to one of them loses no settled charge. A write no
-replica confirmed within the WAIT's second is sent again with the next batch, until one does
-(for up to `CONFIRM_FOR_S`): on the same primary it is a no-op (its hold has ended) whose marker
-the WAIT then covers; on a replica promoted without it (a Sentinel's second, hasty failover
-discards what its short-lived primary took) the hold is gone and never ended there, so the
-charge is made anew, from what is available. Guests' usage entries are not sent again (they
-are not idempotent and carry no money).
+replica confirmed within the WAIT's second is kept, with the run id of the Redis that took it,
+until one does (for up to `CONFIRM_FOR_S`): while that server is still the primary, each later
+batch's marker and WAIT cover it (it is not run again); once another server holds its keys (a
+replica promoted without it: a Sentinel's second, hasty failover discards what its short-lived
+primary took), it is sent there, where its hold is gone and never ended, so the charge is made
+anew from what is available. Guests' usage entries are never sent twice (not idempotent; no
+money): one stranded that way is counted as at risk.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from redis.exceptions import NoScriptError, RedisError
 from proxy.credits.ledger import Arg
 from proxy.observe.metrics import Metrics
 from proxy.store.client import Primaries, replica_wait
-from proxy.store.script_pipe import ScriptPipes
+from proxy.store.script_pipe import ScriptPipe, ScriptPipes
 
 log = logging.getLogger("proxy.settler")
 
@@ -55,7 +56,10 @@ class Write:
     key: str  # the key it writes (all its keys share this one's slot)
     command: Command
     repeatable: bool = True  # running it again changes nothing (a settle of a hold, SET, DEL)
-    unconfirmed_since: float = 0.0  # when it was first written and no replica confirmed it
+    # Written, and no replica confirmed it yet: since when, and the run id of the Redis that
+    # took it (a later WAIT there covers it; another one needs it sent again).
+    unconfirmed_since: float = 0.0
+    taken_by: bytes | None = None
 
 # ~16 s in all: a Redis restart fits, and a Cluster's or Sentinel's failover (a few seconds).
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -164,31 +168,49 @@ class Settler:
         self._lose(len(batch))
 
     async def _send(self, client: Redis, writes: list[Write]) -> RedisError | None:
-        """One pipeline to one primary (then WAIT for replicas); the error, if it failed."""
+        """One pipeline to one primary (then WAIT for replicas); the error, if it failed.
+        Writes this very server took before and no replica confirmed yet are not sent again:
+        the WAIT after this pipeline's marker covers them (so a replica's outage costs one
+        marker and WAIT per flush, not every unconfirmed write run again)."""
+        pipe = self._pipes.pipe(client)
+        run = pipe.run
+        waiting = [w for w in writes if w.taken_by is not None and w.taken_by == run]
+        send = [w for w in writes if w.taken_by is None or w.taken_by != run]
+        stranded = [w for w in send if w.taken_by is not None and not w.repeatable]
+        if stranded:  # taken by a server that is gone, and not safe to run twice
+            send = [w for w in send if w.taken_by is None or w.repeatable]
+            self._unreplicated(len(stranded))
         try:
             try:
-                replies = await self._pipeline(client, writes)
+                replies = await self._pipeline(pipe, send, writes[0].key)
             except NoScriptError:  # a server new to this client, or restarted: load, again
                 await self._load_scripts(client)
-                replies = await self._pipeline(client, writes)
+                replies = await self._pipeline(pipe, send, writes[0].key)
         except RedisError as exc:
             return exc
+        took = pipe.run  # the server this pipeline reached
+        if waiting and took != run:  # another one (the primary moved): they were not covered
+            self._queue[:0] = waiting  # and go to it next time
+            self._wake.set()
+            waiting = []
         if self._ack_replicas and int(str(replies[-1])) < self._ack_replicas:
-            self._unconfirmed(writes, int(str(replies[-1])))
+            self._unconfirmed([replace(w, taken_by=took) for w in send] + waiting,
+                              int(str(replies[-1])))
         return None
 
     def _unconfirmed(self, writes: list[Write], confirmed: int) -> None:
-        """No replica confirmed `writes` in time: send the repeatable ones again (with the next
-        batch), for up to `confirm_for_s` since first written; count the others as at risk."""
+        """No replica confirmed `writes` in time: keep them (with the next batch: sent again
+        where another server holds their keys now) for up to `confirm_for_s` since first
+        written; count the others as at risk."""
         now = time.monotonic()
         again = [replace(w, unconfirmed_since=w.unconfirmed_since or now) for w in writes
-                 if w.repeatable and now - (w.unconfirmed_since or now) < self._confirm_for_s]
+                 if now - (w.unconfirmed_since or now) < self._confirm_for_s]
         if again:
             self._queue[:0] = again
             self._wake.set()
         self._unreplicated(len(writes) - len(again))
-        log.warning("%d settlement write(s) reached %d of %d replica(s) in time; %d sent again "
-                    "until one does", len(writes), confirmed, self._ack_replicas, len(again))
+        log.warning("%d settlement write(s) reached %d of %d replica(s) in time; kept until "
+                    "one does", len(writes), confirmed, self._ack_replicas)
 
     def _unreplicated(self, count: int) -> None:
         if not count:
@@ -199,10 +221,11 @@ class Settler:
         log.error("%d settlement write(s) no replica confirmed; a failover now could lose them",
                   count)
 
-    async def _pipeline(self, client: Redis, writes: list[Write]) -> list[object]:
+    async def _pipeline(self, pipe: ScriptPipe, writes: list[Write], key: str
+                        ) -> list[object]:
         commands = [write.command for write in writes]
-        commands += replica_wait(writes[0].key, self._ack_replicas)
-        return await self._pipes.pipe(client).pipeline(commands)
+        commands += replica_wait(key, self._ack_replicas)
+        return await pipe.pipeline(commands)
 
     async def _load_scripts(self, client: Redis) -> None:
         try:

@@ -94,6 +94,12 @@ class ScriptPipe:
         self._connecting = asyncio.Lock()
         self._closing: set[asyncio.Task[None]] = set()
 
+    @property
+    def run(self) -> bytes | None:
+        """The run id of the Redis process the pipe is connected to (None: not connected)."""
+        link = self._link
+        return link.run if link is not None and link.open else None
+
     async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         try:
             return await self._evalsha(script, keys, args)

@@ -82,8 +82,9 @@ async def test_settlements_wait_for_a_replica_and_are_sent_again_until_one_confi
         assert [e["cost"] for e in await ledger.all_entries("acme")
                 if e["type"] == "charge"] == [40, 30]  # once each
 
-        # A guest's usage entry is never sent twice (no hold id makes it idempotent); a
-        # charge no replica confirms for `confirm_for_s` is given up on: both counted at risk.
+        # Kept, not sent again, while the same server holds them: one marker and WAIT a flush.
+        # A charge, or a guest's usage entry (never sent twice: no hold id makes it
+        # idempotent), that no replica confirms for `confirm_for_s` is given up on, at risk.
         replica.kill()
         brief = Settler(ledger.primaries, [ledger.settle_script], metrics, ack_replicas=1,
                         confirm_for_s=0.5)
@@ -93,7 +94,7 @@ async def test_settlements_wait_for_a_replica_and_are_sent_again_until_one_confi
         keys, args = settle_call("guest:1", "", 0, 0, "completed", MODEL, {}, {}, 100, 0)
         brief.settle(ledger.settle_script, keys, args, repeatable=False)
         await brief.flush()
-        assert (brief.pending, brief.unreplicated) == (1, 1)
+        assert (brief.pending, brief.unreplicated) == (2, 0)
         await brief.flush()  # a second later: past confirm_for_s
         assert (brief.pending, brief.unreplicated, brief.lost) == (0, 2, 0)
         assert metrics.registry.get_sample_value("igw_settlements_unreplicated_total") == 2

@@ -167,8 +167,7 @@ class Metrics:
             ("outcome",), registry=r)
         self.settlements_unreplicated = Counter(
             "igw_settlements_unreplicated", "Settlement writes that fewer replicas than "
-            "`ledger_ack_replicas` confirmed (charges: after 60 s of sending them again; a "
-            "failover then could lose them).",
+            "`ledger_ack_replicas` confirmed within 60 s (a failover then could lose them).",
             registry=r)
         self.shadow_decisions = Counter(
             "igw_shadow_decisions", "Requests the shadow policies judged, by tier, the live "

@@ -223,12 +223,13 @@ async def test_store_down_fails_open_or_closed_then_recovers(
 ) -> None:
     redis = RedisProcess(tmp_path / "redis", port=free_port(), fsync="always")
     redis.start()
+    gw: TestServer | None = None
     try:
         sim = await simulator()
         folder = write_config(tmp_path / "config", [{
             "name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
             "models": [MODEL]}], policies={"tiers.toml": tiers()})
-        gw: TestServer = await aiohttp_server(build_app(load_config(folder), redis_url=redis.url))
+        gw = await aiohttp_server(build_app(load_config(folder), redis_url=redis.url))
         key = await new_key(redis.url, "basic")
         assert (await chat(gw, {"X-API-Key": key}))[0] == 200  # the key is now cached
 
@@ -247,6 +248,8 @@ async def test_store_down_fails_open_or_closed_then_recovers(
             await asyncio.sleep(0.1)
         assert status == 200
     finally:
+        if gw is not None:
+            await gw.close()  # while its Redis runs: its cleanup would wait out a dead one
         redis.stop()
 
 

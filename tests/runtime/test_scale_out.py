@@ -313,6 +313,8 @@ async def run_scenario(tmp_path: Path, store_url: str, fail: Fail, simulator: Si
         assert cli.returncode == 0, cli.stderr
         assert "0 problem(s)" in cli.stdout and "MISMATCH" not in cli.stdout, cli.stdout
     finally:
+        # Stopped while their store still runs: stopping after it, each waits out its cleanup.
+        await asyncio.gather(*(asyncio.to_thread(g.close) for g in gateways))
         await ledger.close()
         await redis.aclose()
 

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
 from proxy.api.admin import query_count, require_admin
 from proxy.api.page_files import asset, doc, serve
@@ -56,7 +56,7 @@ async def overview(request: web.Request) -> web.Response:
     top = query_count(request, "top", TOP_DEFAULT, TOP_MAX)
     try:
         body = await read_overview(request.app[REDIS], top, time.time())
-    except (RedisError, RedisClusterException):
+    except RedisError:
         raise store_unavailable("state store") from None
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 

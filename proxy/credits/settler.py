@@ -65,8 +65,8 @@ class Write:
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 FLUSH_INTERVAL_S = 0.01  # a hold lives at most this much longer; Redis fsyncs <= 100 times a second
 MAX_QUEUED = 100_000  # beyond this (Redis gone for long) the oldest writes are dropped
-# How long an unconfirmed write is sent again: within the two minutes settle.lua remembers an
-# ended hold, so a write that did land is never charged twice.
+# How long an unconfirmed write is kept (and sent where its keys moved): within the two minutes
+# settle.lua remembers an ended hold, so a write that did land is never charged twice.
 CONFIRM_FOR_S = 60.0
 
 
@@ -174,12 +174,17 @@ class Settler:
         marker and WAIT per flush, not every unconfirmed write run again)."""
         pipe = self._pipes.pipe(client)
         run = pipe.run
-        waiting = [w for w in writes if w.taken_by is not None and w.taken_by == run]
-        send = [w for w in writes if w.taken_by is None or w.taken_by != run]
-        stranded = [w for w in send if w.taken_by is not None and not w.repeatable]
-        if stranded:  # taken by a server that is gone, and not safe to run twice
-            send = [w for w in send if w.taken_by is None or w.repeatable]
-            self._unreplicated(len(stranded))
+        send: list[Write] = []
+        waiting: list[Write] = []
+        stranded = 0  # taken by a server that is gone, and not safe to run twice
+        for w in writes:
+            if w.taken_by is None or (w.taken_by != run and w.repeatable):
+                send.append(w)
+            elif w.taken_by == run:
+                waiting.append(w)
+            else:
+                stranded += 1
+        self._unreplicated(stranded)
         try:
             try:
                 replies = await self._pipeline(pipe, send, writes[0].key)
@@ -242,4 +247,3 @@ class Settler:
             self._metrics.settlements_lost.inc(count)
         log.error("%d settlement write(s) lost after retries; their holds expire and are "
                   "released by the sweeper", count)
-

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import orjson
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
 from proxy.errors import ErrorKind
 from proxy.observe.metrics import Metrics
@@ -135,7 +135,7 @@ class FleetTally:
                     pipe.lpush(RECENT, *pending.recent)  # the newest ends up first
                     pipe.ltrim(RECENT, 0, RECENT_MAX - 1)
                 await pipe.execute()
-        except (RedisError, RedisClusterException) as exc:
+        except RedisError as exc:
             self.failed += 1
             self.metrics.redis_errors.labels("console tally").inc()
             if not self._failing:

@@ -43,10 +43,16 @@ def cached_prompt_price(rates: Rates) -> int:
 
 
 def chat_cost(rates: Rates, usage: ChatUsage) -> int:
-    cached = min(usage.cached_tokens, usage.prompt_tokens)
-    exact = ((usage.prompt_tokens - cached) * rates.prompt_per_1k_tokens
+    return chat_price(rates, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+def chat_price(rates: Rates, prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int = 0) -> int:
+    """`chat_cost` of bare counts (a replay prices a day's requests without a `ChatUsage` each)."""
+    cached = min(cached_tokens, prompt_tokens)
+    exact = ((prompt_tokens - cached) * rates.prompt_per_1k_tokens
              + cached * cached_prompt_price(rates)
-             + usage.completion_tokens * rates.completion_per_1k_tokens)
+             + completion_tokens * rates.completion_per_1k_tokens)
     return -(-exact // 1000)
 
 
@@ -240,11 +246,17 @@ class Units:
 
 
 def units_cost(rates: Rates, units: Units) -> int:
+    return units_price(rates, units.characters, units.prompt_tokens, units.audio_ms,
+                       units.images, units.video_ms)
+
+
+def units_price(rates: Rates, characters: int = 0, prompt_tokens: int = 0, audio_ms: int = 0,
+                images: int = 0, video_ms: int = 0) -> int:
     """Exact sum over the units, rounded up once: per 1k characters, per 1k input tokens, per
-    audio second, per image, per video second."""
-    exact = (units.characters * rates.per_1k_characters
-             + units.prompt_tokens * rates.prompt_per_1k_tokens
-             + units.audio_ms * rates.per_audio_second
-             + units.images * rates.per_image * 1000
-             + units.video_ms * rates.per_video_second)
+    audio second, per image, per video second (`units_cost` of bare counts)."""
+    exact = (characters * rates.per_1k_characters
+             + prompt_tokens * rates.prompt_per_1k_tokens
+             + audio_ms * rates.per_audio_second
+             + images * rates.per_image * 1000
+             + video_ms * rates.per_video_second)
     return -(-exact // 1000)

@@ -26,6 +26,7 @@ Deterministic: the same lines and policies give the same report.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,14 +35,7 @@ from typing import Any
 import msgspec
 
 from proxy.config import Policies, Rates, TierPolicy
-from proxy.credits.pricing import (
-    ChatUsage,
-    Units,
-    chat_cost,
-    format_credits,
-    parse_credits,
-    units_cost,
-)
+from proxy.credits.pricing import chat_price, format_credits, parse_credits, units_price
 from proxy.credits.token_windows import BUCKETS, TokenWindow, token_windows
 from proxy.identity.auth import GUEST_TIER
 from proxy.policy.tiers import denial
@@ -49,6 +43,22 @@ from proxy.policy.tiers import denial
 RATE_WINDOW_S = 60.0
 ADMITTED, FORBIDDEN, RATE_LIMITED, TOKEN_LIMITED, UNKNOWN_TIER = (
     "admitted", "forbidden", "rate_limited", "token_limited", "unknown_tier")
+
+
+class LoggedUnits(msgspec.Struct, frozen=True, gc=False):
+    """What a request used, as the access log records it (the meter's names; others ignored).
+    A struct rather than a dict: a day's million lines decode in half the time."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    characters: int = 0
+    audio_ms: int = 0
+    images: int = 0
+    video_ms: int = 0
+
+    def __bool__(self) -> bool:
+        return any(msgspec.structs.astuple(self))
 
 
 class Request(msgspec.Struct, frozen=True, gc=False):
@@ -65,7 +75,7 @@ class Request(msgspec.Struct, frozen=True, gc=False):
     mode: str = "direct"
     account: str | None = None  # None: a guest
     error: str | None = None
-    units: dict[str, int] = {}
+    units: LoggedUnits | None = None
     credits: str | None = None  # what it was charged, as the account API writes it
 
     @property
@@ -96,6 +106,7 @@ class Request(msgspec.Struct, frozen=True, gc=False):
 
 
 _LINE = msgspec.json.Decoder(Request)
+_ARRIVAL = operator.attrgetter("start")
 
 
 def read_line(raw: bytes | str) -> Request | None:
@@ -109,22 +120,21 @@ def read_line(raw: bytes | str) -> Request | None:
 
 def price(rates: Rates, request: Request) -> int:
     """What `request`'s units cost at `rates` (micro-credits; guests nothing)."""
-    return price_units(rates, request.tier, request.family, request.units)
+    units = request.units
+    if request.tier == GUEST_TIER or units is None:
+        return 0
+    if request.family == "chat":
+        return chat_price(rates, units.prompt_tokens, units.completion_tokens,
+                          units.cached_tokens)
+    return units_price(rates, units.characters, units.prompt_tokens, units.audio_ms,
+                       units.images, units.video_ms)
 
 
 def price_units(rates: Rates, tier: str, family: str, units: Mapping[str, int]) -> int:
-    """What `units` (as the access log records them) of a `family` request cost at `rates`
-    (micro-credits; guests nothing)."""
-    if tier == GUEST_TIER or not units:
-        return 0
-    u = units
-    if family == "chat":
-        return chat_cost(rates, ChatUsage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
-                                          cached_tokens=u.get("cached_tokens", 0)))
-    return units_cost(rates, Units(characters=u.get("characters", 0),
-                                   prompt_tokens=u.get("prompt_tokens", 0),
-                                   audio_ms=u.get("audio_ms", 0), images=u.get("images", 0),
-                                   video_ms=u.get("video_ms", 0)))
+    """What `units` (a request's, as the meter names them) of a `family` request cost at
+    `rates` (micro-credits; guests nothing)."""
+    return price(rates, Request(0.0, 200, tier, "", family,
+                                units=msgspec.convert(units, LoggedUnits)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,13 +179,14 @@ class Tally:
     live_credits: int = 0  # micro-credits charged live
     candidate_credits: int = 0  # what the candidate charges for what it admits
 
-    def add(self, decision: str, live: str, charged: int, candidate: int) -> None:
-        self.requests += 1
-        self.decisions[decision] = self.decisions.get(decision, 0) + 1
+    def add(self, decision: str, live: str, count: int, charged: int, candidate: int) -> None:
+        """`count` requests the candidate decided `decision` on and the live gateway `live`."""
+        self.requests += count
+        self.decisions[decision] = self.decisions.get(decision, 0) + count
         if decision != ADMITTED and live == ADMITTED:
-            self.newly_refused += 1
+            self.newly_refused += count
         elif decision == ADMITTED and live != ADMITTED:
-            self.newly_admitted += 1
+            self.newly_admitted += count
         self.live_credits += charged
         self.candidate_credits += candidate
 
@@ -188,18 +199,19 @@ class Tally:
 
 
 class Replay:
-    """Feed requests in arrival order (`run` sorts them); read `by_tier_model`, `by_account`,
-    `reasons` after."""
+    """Feed requests in arrival order (`run` sorts them); `report` after."""
 
     def __init__(self, policies: Policies) -> None:
         self.policies = policies
-        self.by_tier_model: dict[tuple[str, str], Tally] = {}
-        self.by_account: dict[str, Tally] = {}
         self.reasons: dict[str, int] = {}  # the candidate's refusals, by their message
         self.skipped = 0  # lines that are not replayable requests
-        self._rates: dict[str, _Window] = {}
+        # What each request added, summed by (tier, model, account, decision, live): one dict
+        # update a request (a day's million of them), the tallies made from it by `report`.
+        self._sums: dict[tuple[str, str, str | None, str, str], list[int]] = {}
+        self._rates: dict[str, deque[float]] = {}  # per account: when its requests arrived
         self._tokens: dict[tuple[str, str], _Window] = {}
         self._rules: dict[tuple[str, str, str, str], _Rule] = {}
+        self._charged: dict[str | None, int] = {}  # the log's credits, parsed once each
 
     def run(self, lines: Iterable[bytes | str], since: float | None = None,
             until: float | None = None) -> Replay:
@@ -212,45 +224,42 @@ class Replay:
             elif (since is None or request.start >= since) and (
                     until is None or request.start < until):
                 requests.append(request)
-        requests.sort(key=lambda r: r.start)
+        requests.sort(key=_ARRIVAL)
+        replay = self.replay
         for request in requests:
-            self.replay(request)
+            replay(request)
         return self
 
     def replay(self, request: Request) -> str:
         """The candidate's decision on `request`, counted."""
-        rule = self._rule(request)
+        key = (request.tier, request.family, request.model, request.mode)
+        rule = self._rules.get(key) or self._rule(key)
         decision, reason = self._decide(request, rule)
         if reason:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        live = request.live
+        charged = self._charged.get(request.credits)
+        if charged is None:
+            charged = self._charged[request.credits] = request.charged
         candidate = price(rule.rates, request) if decision == ADMITTED else 0
-        charged = request.charged
-        key = (request.tier, request.model)
-        tally = self.by_tier_model.get(key)
-        if tally is None:
-            tally = self.by_tier_model[key] = Tally()
-        tally.add(decision, live, charged, candidate)
-        if request.account is not None:
-            tally = self.by_account.get(request.account)
-            if tally is None:
-                tally = self.by_account[request.account] = Tally()
-            tally.add(decision, live, charged, candidate)
+        group = (request.tier, request.model, request.account, decision, request.live)
+        sums = self._sums.get(group)
+        if sums is None:
+            self._sums[group] = [1, charged, candidate]
+        else:
+            sums[0] += 1
+            sums[1] += charged
+            sums[2] += candidate
         return decision
 
-    def _rule(self, request: Request) -> _Rule:
-        key = (request.tier, request.family, request.model, request.mode)
-        rule = self._rules.get(key)
-        if rule is None:
-            tiers = self.policies.tiers
-            tier = tiers.tiers.get(request.tier)
-            refused = "" if tier is None else denial(
-                tiers, request.tier, family=request.family, model=request.model,
-                mode=request.mode) or ""
-            windows = () if tier is None else token_windows(tier, tiers.group_of(request.model))
-            rule = self._rules[key] = _Rule(
-                tier, refused, windows, self.policies.prices.for_model(request.model,
-                                                                       request.mode))
+    def _rule(self, key: tuple[str, str, str, str]) -> _Rule:
+        tier_name, family, model, mode = key
+        tiers = self.policies.tiers
+        tier = tiers.tiers.get(tier_name)
+        refused = "" if tier is None else denial(
+            tiers, tier_name, family=family, model=model, mode=mode) or ""
+        windows = () if tier is None else token_windows(tier, tiers.group_of(model))
+        rule = self._rules[key] = _Rule(tier, refused, windows,
+                                        self.policies.prices.for_model(model, mode))
         return rule
 
     def _decide(self, request: Request, rule: _Rule) -> tuple[str, str]:
@@ -261,14 +270,17 @@ class Replay:
         account = request.account
         if account is None:  # a guest: no bucket in the log
             return (FORBIDDEN, refused) if refused else (ADMITTED, "")
-        rate = self._rates.get(account)
-        if rate is None:
-            rate = self._rates[account] = _Window(RATE_WINDOW_S)
-        limit = tier.requests_per_minute
+        arrivals = self._rates.get(account)
+        if arrivals is None:
+            arrivals = self._rates[account] = deque()
         start = request.start
-        if limit and rate.at(start) >= limit:
+        edge = start - RATE_WINDOW_S
+        while arrivals and arrivals[0] <= edge:
+            arrivals.popleft()
+        limit = tier.requests_per_minute
+        if limit and len(arrivals) >= limit:
             return RATE_LIMITED, f"{request.tier}: more than {limit} requests a minute"
-        rate.add(start, 1)  # counted, whatever comes next
+        arrivals.append(start)  # counted, whatever comes next
         if refused:
             return FORBIDDEN, refused
         over = self._over_tokens(request, start, rule.windows) if rule.windows else ""
@@ -279,8 +291,9 @@ class Replay:
     def _over_tokens(self, request: Request, start: float,
                      windows: tuple[TokenWindow, ...]) -> str:
         """The token window `request` would not fit in ("" when it fits; then counted)."""
-        prompt = request.units.get("prompt_tokens", 0)
-        completion = request.units.get("completion_tokens", 0)
+        units = request.units
+        prompt = 0 if units is None else units.prompt_tokens
+        completion = 0 if units is None else units.completion_tokens
         found = []
         for window in windows:
             slot = (str(request.account), f"{request.tier}:{window.suffix}")
@@ -296,10 +309,24 @@ class Replay:
             counted.add(start, wanted)
         return ""
 
+    def tallies(self) -> tuple[dict[tuple[str, str], Tally], dict[str, Tally]]:
+        """What was replayed, by (tier, model) and by account (keyed callers)."""
+        by_tier_model: dict[tuple[str, str], Tally] = {}
+        by_account: dict[str, Tally] = {}
+        for (tier, model, account, decision, live), (n, charged, candidate) in (
+                self._sums.items()):
+            by_tier_model.setdefault((tier, model), Tally()).add(
+                decision, live, n, charged, candidate)
+            if account is not None:
+                by_account.setdefault(account, Tally()).add(
+                    decision, live, n, charged, candidate)
+        return by_tier_model, by_account
+
     def report(self, top: int = 10) -> dict[str, Any]:
         """The whole of it, as `--json` prints it (sorted: the same input, the same output)."""
+        by_tier_model, by_account = self.tallies()
         total = Tally()
-        for tally in self.by_tier_model.values():
+        for tally in by_tier_model.values():
             total.requests += tally.requests
             for name, n in tally.decisions.items():
                 total.decisions[name] = total.decisions.get(name, 0) + n
@@ -307,16 +334,16 @@ class Replay:
             total.newly_admitted += tally.newly_admitted
             total.live_credits += tally.live_credits
             total.candidate_credits += tally.candidate_credits
-        accounts = sorted(self.by_account.items(), key=lambda item: (
+        accounts = sorted(by_account.items(), key=lambda item: (
             -abs(item[1].candidate_credits - item[1].live_credits), -item[1].newly_refused,
             item[0]))
-        refused = sorted(self.by_account.items(),
+        refused = sorted(by_account.items(),
                          key=lambda item: (-item[1].newly_refused, item[0]))
         return {
             "total": total.as_json(),
             "skipped_lines": self.skipped,
             "by_tier_model": [{"tier": tier, "model": model, **tally.as_json()}
-                              for (tier, model), tally in sorted(self.by_tier_model.items())],
+                              for (tier, model), tally in sorted(by_tier_model.items())],
             "refusal_reasons": dict(sorted(self.reasons.items(), key=lambda r: (-r[1], r[0]))),
             "accounts_by_revenue_change": [{"account": name, **tally.as_json()}
                                            for name, tally in accounts[:top]],

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+import msgspec
 import orjson
 
 from proxy.config import Rates
@@ -243,6 +244,30 @@ class Units:
     def counts(self) -> dict[str, int]:
         """The non-zero units, as the running totals and the journal name them."""
         return {name: value for name in self.__slots__ if (value := getattr(self, name))}
+
+
+class Used(msgspec.Struct, frozen=True, gc=False):
+    """What a request used, under the names the meter gives its units (the access log's
+    `units`; others ignored), for pricing it again at other prices (a shadow, a replay)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    characters: int = 0
+    audio_ms: int = 0
+    images: int = 0
+    video_ms: int = 0
+
+    def __bool__(self) -> bool:
+        return any(msgspec.structs.astuple(self))
+
+
+def used_cost(rates: Rates, family: str, used: Used) -> int:
+    """What `used` costs at `rates`, by the meter's rules for the `family` (micro-credits)."""
+    if family == "chat":
+        return chat_price(rates, used.prompt_tokens, used.completion_tokens, used.cached_tokens)
+    return units_price(rates, used.characters, used.prompt_tokens, used.audio_ms, used.images,
+                       used.video_ms)
 
 
 def units_cost(rates: Rates, units: Units) -> int:

@@ -104,6 +104,10 @@ class AccessLog:
                 line[name] = value
         if trace.first_byte_s is not None:
             line["first_byte_ms"] = round(trace.first_byte_s * 1000, 1)
+        if trace.asked_tokens is not None:  # for a replay's completion cap (policy replay)
+            line["max_tokens"] = trace.asked_tokens
+        if trace.waiting is not None:  # what the queue-budget check read, for a replay too
+            line["waiting"] = round(trace.waiting, 2)
         if trace.units:
             line["units"] = trace.units
         if trace.credits:

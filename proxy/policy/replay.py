@@ -3,12 +3,16 @@ would have refused, and what it would have charged. Pure: access-log lines in, a
 
 Each request the access log recorded with a tier, a model and a family (those that got past
 authentication and the model's lookup) is replayed in arrival order (its `ts` less its
-latency), under the candidate's policies, in the gateway's order (DESIGN §6):
+latency), under the candidate's policies, with the shadow's checks (proxy.policy.shadow), in
+the gateway's order (DESIGN §6):
 
-- access (403): the tier's families, the model's group, the mode;
 - the request rate (429): `requests_per_minute` over a sliding minute per account, every
   attempt past authentication counted as the gateway counts them (one refused for access
   too, not one refused for the rate);
+- the tier (403: one the candidate lacks), its access (403: the families, the model's group,
+  the mode), the completion cap (403: `max_tokens_per_request`, against the `max_tokens` the
+  request asked for), the queue budget (503: against the requests the live check saw waiting
+  per replica, the log's `waiting`);
 - the token limits (429): the tier's and the model group's windows (a minute, a day; tokens,
   input or output), counted with what each admitted request used (the log's units). The live
   gateway reserves a request's worst case until it ends, so it may refuse sooner than a replay
@@ -18,47 +22,36 @@ latency), under the candidate's policies, in the gateway's order (DESIGN §6):
   images, embedding tokens), rounded up once as the meter does; guests pay nothing.
 
 Not replayed, each for want of it in the log: guests' rate and token limits (their bucket is
-their address, which the log does not keep), balances and budgets (402: kept as they were),
-queue budgets (the engines' queues at the time). A request the live gateway refused and the
-candidate admits ran nowhere: it is counted as "admitted", with no units and no price.
-Deterministic: the same lines and policies give the same report.
+their address, which the log does not keep), balances and budgets (402: kept as they were). A
+request the live gateway refused and the candidate admits ran nowhere: it is counted as
+"admitted", with no units and no price. Deterministic: the same lines and policies give the
+same report.
 """
 
 from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from proxy.config import Policies, Rates, TierPolicy
-from proxy.credits.pricing import chat_price, format_credits, parse_credits, units_price
-from proxy.credits.token_windows import BUCKETS, TokenWindow, token_windows
+from proxy.config import Policies, Rates
+from proxy.credits.pricing import Used, format_credits, parse_credits, used_cost
+from proxy.credits.token_windows import BUCKETS, TokenWindow
 from proxy.identity.auth import GUEST_TIER
-from proxy.policy.tiers import denial
+from proxy.policy.shadow import Rule, before_limits, rule_for
 
 RATE_WINDOW_S = 60.0
-ADMITTED, FORBIDDEN, RATE_LIMITED, TOKEN_LIMITED, UNKNOWN_TIER = (
-    "admitted", "forbidden", "rate_limited", "token_limited", "unknown_tier")
-
-
-class LoggedUnits(msgspec.Struct, frozen=True, gc=False):
-    """What a request used, as the access log records it (the meter's names; others ignored).
-    A struct rather than a dict: a day's million lines decode in half the time."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    characters: int = 0
-    audio_ms: int = 0
-    images: int = 0
-    video_ms: int = 0
-
-    def __bool__(self) -> bool:
-        return any(msgspec.structs.astuple(self))
+ADMITTED, FORBIDDEN, RATE_LIMITED, TOKEN_LIMITED, SATURATED, UNKNOWN_TIER = (
+    "admitted", "forbidden", "rate_limited", "token_limited", "pool_saturated", "unknown_tier")
+# A refusal of the shadow's checks before the limits, as a replay's decision.
+_DECISIONS = {"tier": UNKNOWN_TIER, "access": FORBIDDEN, "max_tokens": FORBIDDEN,
+              "queue_budget": SATURATED}
+_REFUSED_LIVE = {"forbidden": FORBIDDEN, "rate_limited": RATE_LIMITED,
+                 "pool_saturated": SATURATED}
 
 
 class Request(msgspec.Struct, frozen=True, gc=False):
@@ -75,8 +68,10 @@ class Request(msgspec.Struct, frozen=True, gc=False):
     mode: str = "direct"
     account: str | None = None  # None: a guest
     error: str | None = None
-    units: LoggedUnits | None = None
+    units: Used | None = None  # a struct, not a dict: a million lines decode in half the time
     credits: str | None = None  # what it was charged, as the account API writes it
+    asked_tokens: int | None = msgspec.field(default=None, name="max_tokens")
+    waiting: float | None = None  # per replica, as the queue-budget check read it
 
     @property
     def start(self) -> float:
@@ -100,9 +95,8 @@ class Request(msgspec.Struct, frozen=True, gc=False):
     @property
     def live(self) -> str:
         """What the live gateway decided at admission."""
-        if self.error in ("forbidden", "rate_limited") and not self.units:
-            return FORBIDDEN if self.error == "forbidden" else RATE_LIMITED
-        return ADMITTED
+        refused = _REFUSED_LIVE.get(self.error) if self.error else None
+        return refused if refused is not None and not self.units else ADMITTED
 
 
 _LINE = msgspec.json.Decoder(Request)
@@ -123,28 +117,7 @@ def price(rates: Rates, request: Request) -> int:
     units = request.units
     if request.tier == GUEST_TIER or units is None:
         return 0
-    if request.family == "chat":
-        return chat_price(rates, units.prompt_tokens, units.completion_tokens,
-                          units.cached_tokens)
-    return units_price(rates, units.characters, units.prompt_tokens, units.audio_ms,
-                       units.images, units.video_ms)
-
-
-def price_units(rates: Rates, tier: str, family: str, units: Mapping[str, int]) -> int:
-    """What `units` (a request's, as the meter names them) of a `family` request cost at
-    `rates` (micro-credits; guests nothing)."""
-    return price(rates, Request(0.0, 200, tier, "", family,
-                                units=msgspec.convert(units, LoggedUnits)))
-
-
-@dataclass(frozen=True, slots=True)
-class _Rule:
-    """What the candidate says of one (tier, family, model, mode), worked out once."""
-
-    tier: TierPolicy | None  # None: a tier the candidate lacks
-    refused: str  # why access is denied ("" when it is not)
-    windows: tuple[TokenWindow, ...]  # the token windows it counts in
-    rates: Rates
+    return used_cost(rates, request.family, units)
 
 
 class _Window:
@@ -210,7 +183,7 @@ class Replay:
         self._sums: dict[tuple[str, str, str | None, str, str], list[int]] = {}
         self._rates: dict[str, deque[float]] = {}  # per account: when its requests arrived
         self._tokens: dict[tuple[str, str], _Window] = {}
-        self._rules: dict[tuple[str, str, str, str], _Rule] = {}
+        self._rules: dict[tuple[str, str, str, str], Rule] = {}
         self._charged: dict[str | None, int] = {}  # the log's credits, parsed once each
 
     def run(self, lines: Iterable[bytes | str], since: float | None = None,
@@ -233,7 +206,9 @@ class Replay:
     def replay(self, request: Request) -> str:
         """The candidate's decision on `request`, counted."""
         key = (request.tier, request.family, request.model, request.mode)
-        rule = self._rules.get(key) or self._rule(key)
+        rule = self._rules.get(key)
+        if rule is None:
+            rule = self._rules[key] = rule_for(self.policies, request, "the candidate's")
         decision, reason = self._decide(request, rule)
         if reason:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
@@ -251,25 +226,12 @@ class Replay:
             sums[2] += candidate
         return decision
 
-    def _rule(self, key: tuple[str, str, str, str]) -> _Rule:
-        tier_name, family, model, mode = key
-        tiers = self.policies.tiers
-        tier = tiers.tiers.get(tier_name)
-        refused = "" if tier is None else denial(
-            tiers, tier_name, family=family, model=model, mode=mode) or ""
-        windows = () if tier is None else token_windows(tier, tiers.group_of(model))
-        rule = self._rules[key] = _Rule(tier, refused, windows,
-                                        self.policies.prices.for_model(model, mode))
-        return rule
-
-    def _decide(self, request: Request, rule: _Rule) -> tuple[str, str]:
+    def _decide(self, request: Request, rule: Rule) -> tuple[str, str]:
+        before = before_limits(rule, request)
         tier = rule.tier
-        if tier is None:
-            return UNKNOWN_TIER, f"tier {request.tier!r} is not in the candidate's tiers.toml"
-        refused = rule.refused
         account = request.account
-        if account is None:  # a guest: no bucket in the log
-            return (FORBIDDEN, refused) if refused else (ADMITTED, "")
+        if tier is None or account is None:  # a tier it lacks; a guest: no bucket in the log
+            return (_DECISIONS[before.reason], before.message) if before else (ADMITTED, "")
         arrivals = self._rates.get(account)
         if arrivals is None:
             arrivals = self._rates[account] = deque()
@@ -281,8 +243,8 @@ class Replay:
         if limit and len(arrivals) >= limit:
             return RATE_LIMITED, f"{request.tier}: more than {limit} requests a minute"
         arrivals.append(start)  # counted, whatever comes next
-        if refused:
-            return FORBIDDEN, refused
+        if before is not None:
+            return _DECISIONS[before.reason], before.message
         over = self._over_tokens(request, start, rule.windows) if rule.windows else ""
         if over:
             return TOKEN_LIMITED, f"{request.tier}: {over}"

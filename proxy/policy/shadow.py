@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
 from proxy.config import Policies, Rates, TierPolicy
+from proxy.credits.pricing import Used, used_cost
 from proxy.credits.token_windows import TokenWindow, token_windows
-from proxy.policy.replay import price_units
+from proxy.identity.auth import GUEST_TIER
 from proxy.policy.tiers import denial
 
 ADMITTED = 200
@@ -43,6 +45,24 @@ class Verdict:
     decision: int  # ADMITTED, or the status the shadow would have answered
     reason: str = ""  # tier, access, max_tokens, queue_budget, rate, tokens, credits
     message: str = ""
+
+
+class Facts(Protocol):
+    """What a candidate's checks read of a request: the live path's `Seen`, or a replayed
+    access-log line (proxy.policy.replay)."""
+
+    @property
+    def tier(self) -> str: ...
+    @property
+    def family(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def asked_tokens(self) -> int | None: ...
+    @property
+    def waiting(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +97,11 @@ class Rule:
     rates: Rates
 
 
-def rule_for(policies: Policies, seen: Seen) -> Rule:
+def rule_for(policies: Policies, seen: Facts, whose: str = "the shadow's") -> Rule:
     rates = policies.prices.for_model(seen.model, seen.mode)
     tier = policies.tiers.tiers.get(seen.tier)
     if tier is None:
-        return Rule(None, Verdict(403, "tier", f"tier {seen.tier!r} is not in the shadow's "
+        return Rule(None, Verdict(403, "tier", f"tier {seen.tier!r} is not in {whose} "
                                   "tiers.toml"), (), rates)
     refused = denial(policies.tiers, seen.tier, family=seen.family, model=seen.model,
                      mode=seen.mode)
@@ -89,7 +109,7 @@ def rule_for(policies: Policies, seen: Seen) -> Rule:
                 token_windows(tier, policies.tiers.group_of(seen.model)), rates)
 
 
-def before_limits(rule: Rule, seen: Seen) -> Verdict | None:
+def before_limits(rule: Rule, seen: Facts) -> Verdict | None:
     """The shadow's checks before its limits: a refusal, or None (the limits decide)."""
     tier = rule.tier
     if tier is None or rule.refused is not None:
@@ -131,9 +151,9 @@ def tokens_used(units: Mapping[str, int]) -> tuple[int, int]:
 def shadow_charge(rule: Rule, seen: Seen, verdict: Verdict, units: Mapping[str, int]) -> int:
     """What the shadow charges (micro-credits): the request's units at its prices, when it
     admits it."""
-    if verdict.decision != ADMITTED:
+    if verdict.decision != ADMITTED or seen.tier == GUEST_TIER or not units:
         return 0
-    return price_units(rule.rates, seen.tier, seen.family, units)
+    return used_cost(rule.rates, seen.family, msgspec.convert(units, Used))
 
 
 def tier_fields(tier: TierPolicy | None) -> dict[str, object] | None:

@@ -104,6 +104,37 @@ def test_a_stricter_tier_refuses_in_the_gateways_order() -> None:
     assert top["account"] == "a1" and top["newly_refused"] == 3
 
 
+def test_the_completion_cap_and_the_queue_budget_from_what_the_line_recorded() -> None:
+    capped = TIERS.replace("[tiers.basic]\nrequests_per_minute = 100",
+                           "[tiers.basic]\nrequests_per_minute = 100\n"
+                           "max_tokens_per_request = 256\nqueue_budget = 3")
+    lines = [line(1000, units=CHAT, credits="0.000200", max_tokens=256, waiting=2.5),
+             line(1001, units=CHAT, credits="0.000200", max_tokens=257),
+             line(1002, units=CHAT, credits="0.000200", waiting=3.0),
+             line(1003, account=None, tier="guest", units=CHAT, max_tokens=10**6),
+             line(1004, status=503, error="pool_saturated", waiting=7.0),
+             line(1005, family="embed", model="acme/embed", units={"prompt_tokens": 10},
+                  credits="0.000010", max_tokens=999, waiting=3.0)]
+    replay = Replay(policies(capped))
+    decisions = [replay.replay(r) for r in (read_line(raw) for raw in lines) if r is not None]
+    # The cap is a chat request's; the budget is every family's; guests' tier has neither.
+    assert decisions == ["admitted", "forbidden", "pool_saturated", "admitted",
+                         "pool_saturated", "pool_saturated"]
+    report = replay.report()
+    assert report["total"]["newly_refused"] == 3  # the one refused live stays refused
+    assert report["refusal_reasons"] == {
+        "3 requests wait per replica of acme/chat, and the basic tier queues only while "
+        "fewer than 3 do": 1,
+        "7 requests wait per replica of acme/chat, and the basic tier queues only while "
+        "fewer than 3 do": 1,
+        "3 requests wait per replica of acme/embed, and the basic tier queues only while "
+        "fewer than 3 do": 1,
+        "the basic tier allows at most 256 completion tokens a request": 1}
+    # Refused live for the queue, admitted by the live policies replayed: newly run.
+    again = Replay(policies()).run(lines).report()
+    assert again["total"]["newly_admitted"] == 1 and again["total"]["newly_refused"] == 0
+
+
 def test_refused_live_and_admitted_now_ran_nowhere() -> None:
     lines = [line(1000, status=429, error="rate_limited"),
              line(1001, status=403, error="forbidden", model="acme/big")]

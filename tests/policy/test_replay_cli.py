@@ -102,6 +102,8 @@ async def test_replaying_the_live_policies_and_a_stricter_one(
     lines = [orjson.loads(raw) for raw in log.read_bytes().splitlines()]
     assert {(x["family"], x["mode"]) for x in lines} == {("chat", "direct"), ("embed", "direct")}
     assert any(x["units"].get("cached_tokens") for x in lines)
+    assert {x.get("max_tokens") for x in lines if x["family"] == "chat"} == {8}
+    assert not any("max_tokens" in x for x in lines if x["family"] == "embed")
 
     live = tmp_path / "config" / "policies"
     same = replay(log, live)
@@ -134,6 +136,14 @@ async def test_replaying_the_live_policies_and_a_stricter_one(
     rows = {(r["tier"], r["model"]): r for r in partial["by_tier_model"]}
     assert rows["basic", "acme/chat"]["decisions"] == {"admitted": 6, "rate_limited": 2}
     assert rows["max", "acme/chat"]["difference_micro_credits"] == 0
+    # The completion cap, against the max_tokens each line recorded (8 asked).
+    capped = tmp_path / "capped"
+    shutil.copytree(live, capped)
+    (capped / "tiers.toml").write_text(TIERS.replace(
+        "[tiers.max]\n", "[tiers.max]\nmax_tokens_per_request = 7\n"))
+    rows = {(r["tier"], r["model"]): r for r in replay(log, capped)["by_tier_model"]}
+    assert rows["max", "acme/chat"]["decisions"] == {"forbidden": 3}
+    assert rows["max", "acme/embed"]["decisions"] == {"admitted": 1}
     table = cli(log, candidate).stdout
     assert "basic / acme/chat" in table and "heavy" in table
     later = replay(log, candidate, "--since", str(lines[-1]["ts"] + 1))

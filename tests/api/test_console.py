@@ -260,20 +260,30 @@ async def test_the_console_shows_what_the_admin_routes_return(
     # The tiers, live and shadow side by side, the shadow's settings that differ marked; what it
     # decided, as the page's own read had it (and as it stands now).
     assert own["/admin/shadow"] == shadow and shadow["loaded"]
+    # A setting per row, a tier per column by priority; a changed setting "live → shadow".
     tiers = await table(page, "#tiers")
-    differs = await marked_rows(page, "#tiers")
-    expected, marked = {}, []
-    for tier in shadow["tiers"]:
+    by_priority = sorted(shadow["tiers"], key=lambda t: (t["live"]["priority"], t["name"]))
+    assert await page.locator("#tiers th").all_inner_texts() == [
+        "Setting", *(t["name"] for t in by_priority)]
+    expected: dict[str, dict[str, str]] = {}
+    cells = []
+    for tier in by_priority:
         for name in dict.fromkeys([*(tier["live"] or {}), *(tier["shadow"] or {})]):
-            expected[f"{tier['name']}/{name}"] = {
-                "tier": tier["name"], "field": name, "live": setting(tier["live"], name),
-                "shadow": setting(tier["shadow"], name)}
-            if name in tier["differs"]:
-                marked.append(f"{tier['name']}/{name}")
-    assert tiers == expected and differs == marked
-    assert {"basic/requests_per_minute", "basic/max_tokens_per_request"} <= set(marked)
-    assert tiers["basic/requests_per_minute"] == {"tier": "basic", "field": "requests_per_minute",
-                                                  "live": "2", "shadow": "3"}
+            row = expected.setdefault(name, {"field": name})
+            live = setting(tier["live"], name)
+            changed = name in tier["differs"]
+            key = f"tier:{tier['name']}"
+            row[key] = f"{live} → {setting(tier['shadow'], name)}" if changed else live
+            if changed:
+                cells.append(f"{name}/{key}")
+    assert tiers == expected
+    assert await marked_rows(page, "#tiers") == [f for f in expected if any(
+        c.startswith(f"{f}/") for c in cells)]
+    assert sorted(await page.locator("#tiers td.differs").evaluate_all(
+        "cells => cells.map(c => `${c.parentElement.dataset.key}/${c.dataset.field}`)")) == \
+        sorted(cells)
+    assert {"requests_per_minute/tier:basic", "max_tokens_per_request/tier:basic"} <= set(cells)
+    assert tiers["requests_per_minute"]["tier:basic"] == "2 → 3"
     summary = shadow["summary"]
     assert await page.locator("#shadow-summary").evaluate(DEFINITIONS_JS) == {
         "version": str(shadow["version"]), "requests": str(summary["requests"]),
@@ -338,8 +348,10 @@ async def test_an_outage_is_said_in_words_and_the_figures_stay(
     # No shadow loaded: the live tiers alone.
     await expect(page.locator("#shadow-note")).to_have_text(
         "No shadow policies loaded: the live tiers alone.")
-    assert await page.locator("#tiers thead th").all_text_contents() == \
-        ["Tier", "Setting", "Live"]
+    live = (await admin(gw, "/admin/shadow"))["tiers"]
+    assert await page.locator("#tiers thead th").all_text_contents() == ["Setting", *(
+        t["name"] for t in sorted(live, key=lambda t: (t["live"]["priority"], t["name"])))]
+    assert not await page.locator("#tiers .differs").count()
     await expect(page.locator("#shadow-judged")).to_be_hidden()
     await expect(page.locator("#top-spend")).to_contain_text("No account has spent anything")
     rows = await table(page, "#backends")

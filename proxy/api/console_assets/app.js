@@ -248,20 +248,26 @@ function renderShadow(body) {
   definitions($("shadow-summary"), [["version", "Policy version", shown(body.version)],
     ...(loaded ? [["requests", "Requests judged", shown(summary.requests)],
       ["disagreements", "Disagreements", shown(summary.disagreements)]] : [])]);
-  const columns = [["tier", "Tier"], ["field", "Setting"], ["live", "Live", "value"],
-    ...(loaded ? [["shadow", "Shadow", "value"]] : [])];
-  const rows = [];
-  for (const tier of body.tiers) {
-    const fields = [...new Set([...Object.keys(tier.live || {}),
-      ...Object.keys(tier.shadow || {})])];
-    for (const field of fields) {
-      rows.push({
-        key: `${tier.name}/${field}`, differs: tier.differs.includes(field),
-        cells: { tier: tier.name, field, live: setting(tier.live, field),
-          shadow: setting(tier.shadow, field) },
-      });
+  // A setting per row, a tier per column (lowest priority first; keyed "tier:<name>", so no
+  // tier's name can be taken for another column or a class); where the shadow sets one
+  // differently, its cell says "live → shadow", marked.
+  const priority = (tier) => (tier.live || tier.shadow).priority;
+  const ordered = [...body.tiers].sort((a, b) => priority(a) - priority(b) ||
+    (a.name < b.name ? -1 : 1));
+  const columns = [["field", "Setting"], ...ordered.map((tier) => [`tier:${tier.name}`, tier.name, "value"])];
+  const fields = [...new Set(ordered.flatMap((tier) => [...Object.keys(tier.live || {}),
+    ...Object.keys(tier.shadow || {})]))];
+  const rows = fields.map((field) => {
+    const marked = ordered.filter((tier) => tier.differs.includes(field))
+      .map((tier) => `tier:${tier.name}`);
+    const cells = { field };
+    for (const tier of ordered) {
+      const live = setting(tier.live, field);
+      const key = `tier:${tier.name}`;
+      cells[key] = marked.includes(key) ? `${live} → ${setting(tier.shadow, field)}` : live;
     }
-  }
+    return { key: field, differs: marked.length > 0, marked, cells };
+  });
   fill($("tiers"), columns, rows, "No tier is defined.");
   $("shadow-judged").hidden = !loaded;
   const tiers = Object.entries(summary.by_tier);
@@ -354,7 +360,8 @@ function fill(table, columns, rows, empty) {
     const line = element("tr", { "data-key": row.key });
     if (row.differs) line.className = "differs";
     for (const [field, , kind] of columns) {
-      const classes = [field, kind, row.bad && row.bad.includes(field) ? "bad" : null];
+      const classes = [field, kind, row.bad && row.bad.includes(field) ? "bad" : null,
+        row.marked && row.marked.includes(field) ? "differs" : null];
       line.append(element("td", { "data-field": field, class: classes.filter(Boolean).join(" ") },
         row.cells[field]));
     }

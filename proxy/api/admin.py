@@ -6,6 +6,7 @@
     DELETE /admin/keys/{key_id}     -> the revoked record
     GET    /admin/accounts/{account} -> {account, keys: [record...]}
     POST   /admin/accounts/{account}/credits  {amount, reason} -> a journaled top-up or adjustment
+                                              (once per Idempotency-Key)
     POST   /admin/accounts/{account}/budgets  {period, amount, key_id, postpaid} -> set (amount
            null: remove) a spend budget that resets; the account's budgets
     POST   /admin/accounts/{account}/alerts   {below} -> alert when the balance falls under it
@@ -41,9 +42,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from proxy.api.account import budget_view
 from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
+from proxy.credits import idempotency
 from proxy.credits.alerts import Endpoint
 from proxy.credits.budgets import budgets
-from proxy.credits.ledger import InsufficientCredits
+from proxy.credits.ledger import InsufficientCredits, MadeBefore
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.credits.webhooks import Webhooks
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
@@ -153,7 +155,8 @@ async def show_account(request: web.Request) -> web.Response:
 
 
 async def add_credits(request: web.Request) -> web.Response:
-    """A top-up, or a negative adjustment; journaled like any charge."""
+    """A top-up, or a negative adjustment; journaled like any charge. With `Idempotency-Key`,
+    made once per key (24 h): a retry gets the first answer, another body under it a 422."""
     await require_admin(request)
     spec = _body(await read_json(request, _BODY_CAP), CreditBody)
     try:
@@ -162,10 +165,20 @@ async def add_credits(request: web.Request) -> web.Response:
         raise validation_failed([{"loc": ["body", "amount"], "msg": str(exc),
                                   "type": "value_error"}]) from None
     account_id = _account_id(request)
+    claim = idempotency.claim_for(account_id, "topup", request.headers,
+                                  {"amount": micro, "reason": spec.reason}, kind="topup")
+    added = {"account": account_id, "added": _money(micro)}
     try:
         available = await request.app[LEDGER].credit(
             account_id, micro, {"reason": spec.reason[:200], "actor": "admin-api",
-                                "ts": int(time.time())})
+                                "ts": int(time.time())},
+            once=None if claim is None else (claim.key, claim.fingerprint, idempotency.TTL_S))
+    except MadeBefore as made:
+        fingerprint, _, left = str(made).partition(" ")
+        if claim is None or fingerprint != claim.fingerprint:
+            raise idempotency.reused() from None
+        return _json({**added, "available": _money(int(left))}, status=201,
+                     headers={"Idempotent-Replayed": "true"})
     except InsufficientCredits:  # the request is fine; the balance it meets is not
         raise GatewayError(ErrorKind.CONFLICT,
                            "the adjustment would take the balance below zero") from None
@@ -176,8 +189,7 @@ async def add_credits(request: web.Request) -> web.Response:
         raise GatewayError(ErrorKind.CONFLICT, "the balance cannot grow that large") from None
     except RedisError:
         raise store_unavailable("credit store") from None
-    return _json({"account": account_id, "added": _money(micro),
-                  "available": _money(available)}, status=201)
+    return _json({**added, "available": _money(available)}, status=201)
 
 
 class BudgetBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

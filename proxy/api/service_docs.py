@@ -18,6 +18,7 @@ from proxy.api.doc_types import (
     EXAMPLE_MODEL,
     JSON,
     RATE_LIMIT,
+    REPLAYED,
     TEXT,
     Doc,
     Header,
@@ -52,6 +53,8 @@ from proxy.api.response_bodies import (
     WebhookList,
     WebhookView,
 )
+from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
+from proxy.credits.idempotency import MAX_KEY_LENGTH
 from proxy.identity.apikeys import KEY_ID_HEX, KEY_ID_PREFIX
 from proxy.identity.keystore import ACCOUNT_PATTERN
 
@@ -178,8 +181,13 @@ ADMIN_ACCOUNT: Final = _admin(
     when={404: "No key was ever issued to this account (not_found)"}, params=(_ACCOUNT_PARAM,))
 ADMIN_CREDITS: Final = _admin(
     "Add credits (negative: an adjustment), journaled",
-    Response("Added; the balance now available", CreditsAdded), *_BODY_ERRORS, 409, 503,
-    request=CreditBody, params=(_ACCOUNT_PARAM,),
+    Response("Added; the balance now available (a replay: as the first call left it)",
+             CreditsAdded, JSON, {"Idempotent-Replayed": REPLAYED}),
+    *_BODY_ERRORS, 409, 503, request=CreditBody,
+    params=(_ACCOUNT_PARAM, ("header", Param(IDEMPOTENCY_KEY, {
+        "type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+        "Made once per key and account for 24 hours: a retry with the same body gets the "
+        "first answer, nothing added again; another body under the key is refused (422)"))),
     when={409: "The adjustment would take the balance below zero, or beyond what the "
                "ledger holds (conflict)", 503: "The credit store is unreachable"})
 ADMIN_BUDGETS: Final = _admin(

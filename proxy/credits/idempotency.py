@@ -86,7 +86,7 @@ class Claim:
             head, _, body = raw.partition(b"\n")
             record = orjson.loads(head)
             if record.get("fingerprint") != self.fingerprint:
-                raise _invalid("was already used with a different request")
+                raise reused()
             if record.get("owner") == self.owner:
                 return None  # our own claim: the first SET NX ran, its reply was lost
             if record.get("too_large"):
@@ -156,9 +156,10 @@ class Keeper:
             await asyncio.wait(set(self._writing), timeout=timeout_s)
 
 
-def claim_for(account: str, route: str, headers: Mapping[str, str], body: object
-              ) -> Claim | None:
-    """The request's claim (not yet made), or None without the header. No I/O."""
+def claim_for(account: str, route: str, headers: Mapping[str, str], body: object,
+              kind: str = "idem") -> Claim | None:
+    """The request's claim (not yet made), or None without the header; `kind` names its
+    records apart (an operator's top-up keys, "topup", never meet the account's own). No I/O."""
     given = headers.get(HEADER)
     if given is None:
         return None
@@ -166,7 +167,7 @@ def claim_for(account: str, route: str, headers: Mapping[str, str], body: object
         raise _invalid(f"must be 1 to {MAX_KEY_LENGTH} characters")
     scope = hashlib.sha256(f"{account}\0{given}".encode()).hexdigest()
     fingerprint = hashlib.sha256(route.encode() + b"\0" + canonical(body)).hexdigest()
-    return Claim(f"igw:{{{account}}}:idem:{scope}", fingerprint, hex_id(), account)
+    return Claim(f"igw:{{{account}}}:{kind}:{scope}", fingerprint, hex_id(), account)
 
 
 def canonical(body: object) -> bytes:
@@ -178,6 +179,11 @@ def canonical(body: object) -> bytes:
                  for name, upload in body.files.items()}
         body = {"fields": body.fields, "files": files}
     return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+
+
+def reused() -> GatewayError:
+    """422: the key was used before, for another request."""
+    return _invalid("was already used with a different request")
 
 
 def _invalid(problem: str) -> GatewayError:

@@ -13,6 +13,7 @@ Per account A (keys share the hash tag `{A}`, so each script stays in one Cluste
                               all-time totals are the days' sum
     igw:{A}:ended     zset    hold and top-up ids done in the last two minutes (a retried settle
                               or top-up whose reply was lost changes nothing)
+    igw:{A}:topup:<k> string  a top-up's Idempotency-Key: its fingerprint and balance, 24 h
     igw:{A}:rl:<tier> zset    the rate-limit window (policy.admission)
     igw:{A}:tk:<tier>:<scope>:<code>  hash: a token window (credits.token_windows)
     igw:{A}:caps, capspent, capheld   budgets (credits.budgets) and the balance threshold
@@ -150,8 +151,8 @@ class InsufficientCredits(Exception):
         self.needed = needed
 
 
-def new_hold_id() -> str:
-    return hex_id()
+class MadeBefore(Exception):
+    """A top-up's Idempotency-Key was used: args[0] is its record, "<fingerprint> <balance>"."""
 
 
 def as_text(value: object) -> str:
@@ -190,9 +191,13 @@ class Ledger:
         self._sweep = redis.register_script(lua_script("sweep"))
         self._forget = redis.register_script(lua_script("forget"))
 
-    async def credit(self, account: str, amount: int, details: Mapping[str, object]) -> int:
-        """Top up (or adjust, when negative); journaled. Returns the new available balance."""
+    async def credit(self, account: str, amount: int, details: Mapping[str, object],
+                     once: tuple[str, str, int] | None = None) -> int:
+        """Top up (or adjust, when negative); journaled. Returns the new available balance.
+        `once`: (its Idempotency-Key's record, its fingerprint, seconds kept): see credit.lua."""
         keys = AccountKeys.of(account)
+        record: list[str] = [once[0]] if once else []
+        extra: list[str | int] = [once[1], once[2]] if once else []
         await self.redis.sadd(ACCOUNTS, account)
         credit_id = hex_id()
         # The script and its WAIT share one connection of the account's primary. One no
@@ -202,8 +207,8 @@ class Ledger:
             client = self.primaries.client_for(keys.balance)
             try:
                 async with client.pipeline(transaction=False) as pipe:
-                    await self._credit(keys=[keys.balance, keys.journal, keys.ended],
-                                       args=[amount, orjson.dumps(details), credit_id],
+                    await self._credit(keys=[keys.balance, keys.journal, keys.ended, *record],
+                                       args=[amount, orjson.dumps(details), credit_id, *extra],
                                        client=pipe)
                     wait_for_replicas(pipe, keys.balance, self.ack_replicas)
                     (ok, available), *acks = await pipe.execute()
@@ -221,6 +226,8 @@ class Ledger:
                 log.error("a top-up of %s reached %s of %d replica(s) after %d tries; a "
                           "failover now could lose it", account, acks[-1], self.ack_replicas,
                           CREDIT_TRIES)
+        if ok == 2:
+            raise MadeBefore(as_text(available))
         if not ok:
             raise InsufficientCredits(int(available), -amount)
         return int(available)
@@ -228,7 +235,7 @@ class Ledger:
     async def hold(self, account: str, amount: int, ttl_s: int) -> str:
         """Reserve `amount` outside any rate limit (admission does both in one step); raises
         InsufficientCredits. Returns the hold id."""
-        hold_id = new_hold_id()
+        hold_id = hex_id()
         keys = AccountKeys.of(account)
         await self.redis.sadd(ACCOUNTS, account)
         status, _, _, available, *_ = await self.admit_script(
@@ -264,8 +271,7 @@ class Ledger:
         await self.forget_stale_holds(account)
         raw = as_fields(await self.redis.hgetall(AccountKeys.of(account).balance))
         get = {k: int(v) for k, v in raw.items()}
-        return Balance(get.get("available", 0), get.get("held", 0), get.get("spent", 0),
-                       get.get("credited", 0))
+        return Balance(*(get.get(name, 0) for name in ("available", "held", "spent", "credited")))
 
     async def budgets(self, account: str) -> tuple[dict[str, str], dict[str, str],
                                                    dict[str, str]]:

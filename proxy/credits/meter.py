@@ -28,7 +28,7 @@ from redis.commands.core import AsyncScript
 from proxy.config import PricesPolicy, Rates, TierPolicy
 from proxy.credits.admission import Admitter, Hold, Window
 from proxy.credits.budgets import BudgetExceeded, over_budget
-from proxy.credits.ledger import InsufficientCredits, Reserved, new_hold_id, settle_call
+from proxy.credits.ledger import InsufficientCredits, Reserved, settle_call
 from proxy.credits.pricing import (
     ChatUsage,
     Units,
@@ -44,6 +44,7 @@ from proxy.credits.settler import Settler
 from proxy.credits.token_windows import TokenWindow
 from proxy.errors import ErrorKind, GatewayError
 from proxy.identity.principal import Principal
+from proxy.ids import hex_id
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import Trace
 from proxy.outcome import Outcome
@@ -158,7 +159,7 @@ class Metering:
         }
         hold = None
         if principal.kind != "guest":
-            hold = Hold(new_hold_id(), worst, prices.hold_ttl_s)
+            hold = Hold(hex_id(), worst, prices.hold_ttl_s)
             details["held_max"] = worst
         return Meter(self, principal, prices, rates, model, details, hold, body)
 

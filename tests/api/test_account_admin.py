@@ -5,6 +5,7 @@ written 1.0 is taken and sent on as 1."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,42 @@ async def test_the_account_routes_past_the_rate_are_a_documented_429(
         assert Draft202012Validator({**schema, "components": doc["components"]}).is_valid(body)
         for name, header in documented["headers"].items():
             assert name in headers or not header.get("required"), (path, name)
+
+
+async def test_a_top_up_under_an_idempotency_key_is_made_once(gw: TestServer) -> None:
+    """A billing system retrying its call (its reply lost, or sent twice at once) adds once;
+    the key is the operator's, apart from the account's own request keys."""
+    path = "/admin/accounts/billed/credits"
+    once = {**ADMIN, "Idempotency-Key": "invoice-42"}
+    body = {"amount": "3", "reason": "invoice 42"}
+    answers = await asyncio.gather(*(call(gw, "POST", path, headers=once, json=body)
+                                     for _ in range(8)))
+    assert {status for status, _ in answers} == {201}
+    assert {a["available"]["micro_credits"] for _, a in answers} == {3_000_000}
+    async with aiohttp.ClientSession() as session, session.post(
+            gw.make_url(path), headers=once, json={"reason": "invoice 42", "amount": "3.0"}
+    ) as response:  # the same amount, written otherwise: the same top-up
+        assert response.status == 201
+        assert response.headers["Idempotent-Replayed"] == "true"
+        assert (await response.json())["available"]["micro_credits"] == 3_000_000
+    status, answer = await call(gw, "POST", path, headers=once, json={"amount": "4"})
+    assert (status, answer["detail"][0]["loc"]) == (422, ["header", "Idempotency-Key"])
+    # Without a key, or under another, a top-up is made again; the balance shows each once.
+    assert (await call(gw, "POST", path, headers=ADMIN, json=body))[0] == 201
+    assert (await call(gw, "POST", path, headers={**ADMIN, "Idempotency-Key": "invoice-43"},
+                       json=body))[0] == 201
+    balance = await gw.app[REDIS].hgetall(AccountKeys.of("billed").balance)
+    assert int(balance[b"credited"]) == int(balance[b"available"]) == 9_000_000
+    journal = await gw.app[REDIS].xlen(AccountKeys.of("billed").journal)
+    assert journal == 3
+    status, answer = await call(gw, "POST", path, headers={**ADMIN, "Idempotency-Key": ""},
+                                json=body)
+    assert status == 422
+    # The account's own request under the same key string is its own, and runs.
+    own = {"X-API-Key": gw.api_key, "Idempotency-Key": "invoice-42"}  # type: ignore[attr-defined]
+    assert (await call(gw, "POST", "/admin/accounts/acct-test/credits", headers=once,
+                       json=body))[0] == 201
+    status, answer = await call(gw, "POST", "/v2/compat/v1/chat/completions", headers=own,
+                                json={"model": MODEL, "messages": [{"role": "user",
+                                                                    "content": "hi"}]})
+    assert status == 200, answer

@@ -23,9 +23,11 @@ from redis.exceptions import RedisError
 
 from proxy.config import Config, ConfigError, load_config
 from proxy.credits.budgets import PERIODS, budgets, utc_text
-from proxy.credits.ledger import InsufficientCredits, Ledger
+from proxy.credits.idempotency import HEADER, top_up_once
+from proxy.credits.ledger import InsufficientCredits, Ledger, MadeBefore
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.credits.webhooks import Webhooks
+from proxy.errors import GatewayError
 from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
 from proxy.store.client import connect_redis
@@ -77,6 +79,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     add.add_argument("--amount", required=True, metavar="CREDITS",
                      help="credits, e.g. 10 or 2.5 (exact to 6 decimal places)")
     add.add_argument("--reason", default="top-up")
+    add.add_argument("--idempotency-key", metavar="KEY",
+                     help="made once per key and account for 24 h (the admin API's "
+                          "Idempotency-Key: the same top-up whichever way it comes)")
     _common(add, _credits_add)
     reconcile = credit_commands.add_parser(
         "reconcile", help="prove from the journal that balances, holds and spend add up")
@@ -319,14 +324,28 @@ async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
+    try:
+        once = top_up_once(args.account, {HEADER: args.idempotency_key}
+                           if args.idempotency_key is not None else {}, micro, args.reason)
+    except GatewayError as exc:
+        print(f"--idempotency-key: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
     ledger = Ledger(store.redis, ack_replicas=config.gateway.ledger_ack_replicas)
     try:
         available = await ledger.credit(
             args.account, micro, {"reason": args.reason[:200], "actor": "cli",
-                                  "ts": int(time.time())})
+                                  "ts": int(time.time())}, once=once)
     except InsufficientCredits:
         print("refused: the adjustment would take the balance below zero", file=sys.stderr)
         return EXIT_FAIL
+    except MadeBefore as made:
+        fingerprint, _, left = str(made).partition(" ")
+        if once is None or fingerprint != once[1]:
+            print("refused: this idempotency key was used for another top-up", file=sys.stderr)
+            return EXIT_FAIL
+        print(f"{args.account}: already added under this key ({format_credits(micro)}); "
+              f"available then {format_credits(int(left))} credits")
+        return EXIT_OK
     finally:
         await ledger.close()
     print(f"{args.account}: added {format_credits(micro)}, available "

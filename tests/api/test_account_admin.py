@@ -6,6 +6,9 @@ written 1.0 is taken and sent on as 1."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,9 @@ from jsonschema import Draft202012Validator
 from proxy.app import openapi_document
 from proxy.appkeys import REDIS
 from proxy.credits.ledger import AccountKeys
+from proxy.store.redis_process import RedisProcess
 from tests.support.config_files import GENEROUS_TIERS, MODEL
+from tests.support.fleet import REPO
 from tests.support.gateway import GatewayFactory
 from tests.support.upstreams import SimulatorFactory, sim_requests
 
@@ -178,3 +183,27 @@ async def test_a_top_up_under_an_idempotency_key_is_made_once(gw: TestServer) ->
                                 json={"model": MODEL, "messages": [{"role": "user",
                                                                     "content": "hi"}]})
     assert status == 200, answer
+
+
+async def test_the_cli_and_the_admin_route_share_a_top_ups_key(
+        gw: TestServer, clean_redis: RedisProcess) -> None:
+    env = {**os.environ, "GATEWAY_REDIS_URL": clean_redis.url}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "proxy", "credits", "add", "--account",
+                               "paid", *args, "--config", str(REPO)],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    first = cli("--amount", "2", "--reason", "order 7", "--idempotency-key", "order-7")
+    assert first.returncode == 0 and "available 2.000000" in first.stdout, first.stderr
+    again = cli("--amount", "2", "--reason", "order 7", "--idempotency-key", "order-7")
+    assert again.returncode == 0 and "already added under this key" in again.stdout
+    other = cli("--amount", "5", "--reason", "order 7", "--idempotency-key", "order-7")
+    assert other.returncode != 0 and "used for another top-up" in other.stderr
+    assert cli("--amount", "1", "--idempotency-key", "").returncode == 2
+    status, body = await call(gw, "POST", "/admin/accounts/paid/credits",
+                              headers={**ADMIN, "Idempotency-Key": "order-7"},
+                              json={"amount": "2", "reason": "order 7"})
+    assert status == 201 and body["available"]["micro_credits"] == 2_000_000
+    balance = await gw.app[REDIS].hgetall(AccountKeys.of("paid").balance)
+    assert int(balance[b"credited"]) == 2_000_000

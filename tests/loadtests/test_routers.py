@@ -12,7 +12,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 from collections.abc import Iterator
@@ -144,13 +143,11 @@ def test_routing_quick_run_with_both_routers_and_sessions(tmp_path: Path) -> Non
     two runs; no errors, the engines' counters read, and each figure's mean and min-max
     reported."""
     out = tmp_path / "routing.json"
-    started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "loadtests.routing", "--quick", "--workload", "sessions",
          "--runs", "2", "--duration", "1.5", "--warmup", "0.3", "--routers",
          "--picks", "vllm-router,sglang-router", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
-    took = time.monotonic() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert list(doc["picks"]) == ["vllm-router", "sglang-router"]
@@ -169,4 +166,4 @@ def test_routing_quick_run_with_both_routers_and_sessions(tmp_path: Path) -> Non
             assert s["min"] <= s["mean"] <= s["max"] and len(s["values"]) == 2, (name, key)
             assert summary[key] == s["mean"]
     assert "p99 min-max" in result.stdout and "vllm-router 0.1.17" in result.stdout
-    assert took < 100, f"took {took:.0f} s"
+    assert (doc["meta"]["duration_s"], doc["meta"]["warmup_s"]) == (1.5, 0.3)

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from proxy.config import Config, ConfigError, load_config
 from proxy.credits.budgets import PERIODS, budgets, utc_text
-from proxy.credits.idempotency import HEADER, top_up_once
+from proxy.credits.idempotency import top_up_once
 from proxy.credits.ledger import InsufficientCredits, Ledger, MadeBefore
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.credits.webhooks import Webhooks
@@ -325,8 +325,7 @@ async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     try:
-        once = top_up_once(args.account, {HEADER: args.idempotency_key}
-                           if args.idempotency_key is not None else {}, micro, args.reason)
+        once = top_up_once(args.account, args.idempotency_key, micro, args.reason)
     except GatewayError as exc:
         print(f"--idempotency-key: {exc.message}", file=sys.stderr)
         return EXIT_USAGE
@@ -339,12 +338,11 @@ async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore
         print("refused: the adjustment would take the balance below zero", file=sys.stderr)
         return EXIT_FAIL
     except MadeBefore as made:
-        fingerprint, _, left = str(made).partition(" ")
-        if once is None or fingerprint != once[1]:
+        if (left := made.args[0]) is None:
             print("refused: this idempotency key was used for another top-up", file=sys.stderr)
             return EXIT_FAIL
         print(f"{args.account}: already added under this key ({format_credits(micro)}); "
-              f"available then {format_credits(int(left))} credits")
+              f"available then {format_credits(left)} credits")
         return EXIT_OK
     finally:
         await ledger.close()

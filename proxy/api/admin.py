@@ -44,7 +44,7 @@ from proxy.api.account import budget_view
 from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
 from proxy.credits.alerts import Endpoint
 from proxy.credits.budgets import budgets
-from proxy.credits.idempotency import reused, top_up_once
+from proxy.credits.idempotency import HEADER, reused, top_up_once
 from proxy.credits.ledger import InsufficientCredits, MadeBefore
 from proxy.credits.pricing import format_credits, parse_credits
 from proxy.credits.webhooks import Webhooks
@@ -165,17 +165,16 @@ async def add_credits(request: web.Request) -> web.Response:
         raise validation_failed([{"loc": ["body", "amount"], "msg": str(exc),
                                   "type": "value_error"}]) from None
     account_id = _account_id(request)
-    once = top_up_once(account_id, request.headers, micro, spec.reason)
+    once = top_up_once(account_id, request.headers.get(HEADER), micro, spec.reason)
     added = {"account": account_id, "added": _money(micro)}
     try:
         available = await request.app[LEDGER].credit(
             account_id, micro, {"reason": spec.reason[:200], "actor": "admin-api",
                                 "ts": int(time.time())}, once=once)
     except MadeBefore as made:
-        fingerprint, _, left = str(made).partition(" ")
-        if once is None or fingerprint != once[1]:
+        if (left := made.args[0]) is None:
             raise reused() from None
-        return _json({**added, "available": _money(int(left))}, status=201,
+        return _json({**added, "available": _money(left)}, status=201,
                      headers={"Idempotent-Replayed": "true"})
     except InsufficientCredits:  # the request is fine; the balance it meets is not
         raise GatewayError(ErrorKind.CONFLICT,

@@ -170,13 +170,13 @@ def claim_for(account: str, route: str, headers: Mapping[str, str], body: object
     return Claim(f"igw:{{{account}}}:{kind}:{scope}", fingerprint, hex_id(), account)
 
 
-def top_up_once(account: str, headers: Mapping[str, str], micro: int, reason: str
+def top_up_once(account: str, key: str | None, micro: int, reason: str
                 ) -> tuple[str, str, int] | None:
     """A top-up's Idempotency-Key (the admin route's header, the CLI's option) as
     `Ledger.credit` takes it: the key's record, the top-up's fingerprint, how long it is kept.
     The operator's keys, apart from the account's own request keys."""
-    claim = claim_for(account, "topup", headers, {"amount": micro, "reason": reason},
-                      kind="topup")
+    claim = claim_for(account, "topup", {} if key is None else {HEADER: key},
+                      {"amount": micro, "reason": reason}, kind="topup")
     return None if claim is None else (claim.key, claim.fingerprint, TTL_S)
 
 

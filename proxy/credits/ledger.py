@@ -152,7 +152,7 @@ class InsufficientCredits(Exception):
 
 
 class MadeBefore(Exception):
-    """A top-up's Idempotency-Key was used: args[0] is its record, "<fingerprint> <balance>"."""
+    """A top-up's Idempotency-Key was used: args[0] the balance it left (None: another top-up)."""
 
 
 def as_text(value: object) -> str:
@@ -226,8 +226,8 @@ class Ledger:
                 log.error("a top-up of %s reached %s of %d replica(s) after %d tries; a "
                           "failover now could lose it", account, acks[-1], self.ack_replicas,
                           CREDIT_TRIES)
-        if ok == 2:
-            raise MadeBefore(as_text(available))
+        if ok >= 2:
+            raise MadeBefore(int(available) if ok == 2 else None)
         if not ok:
             raise InsufficientCredits(int(available), -amount)
         return int(available)

@@ -77,7 +77,7 @@ from proxy.styles.base import ChatStyle
 from proxy.tasks.network import choose_mode, network_answer, network_chat
 from proxy.tasks.run import Runnable, run_task
 from proxy.tasks.submit import submit
-from proxy.upstream.dispatch import Early
+from proxy.upstream.early import Early
 from proxy.upstream.pool import Pool
 from proxy.upstream.queue import ticket_for
 from proxy.upstream.relay import send_whole

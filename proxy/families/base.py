@@ -22,7 +22,7 @@ from proxy.credits.pricing import Units
 from proxy.errors import validation_failed
 from proxy.http.body import read_json
 from proxy.upstream.client import Upstreams
-from proxy.upstream.dispatch import Early
+from proxy.upstream.early import Early
 from proxy.upstream.fetch import MediaFetcher
 from proxy.upstream.pool import Pool
 from proxy.upstream.queue import Ticket

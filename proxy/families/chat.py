@@ -25,7 +25,7 @@ from proxy.styles import wire
 from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import http1
 from proxy.upstream.client import read_answer
-from proxy.upstream.dispatch import Early
+from proxy.upstream.early import Early
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefixes import SESSION_HEADER, Prompt, prompt_of
 from proxy.upstream.relay import relay_stream, send_whole

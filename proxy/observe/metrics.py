@@ -140,6 +140,11 @@ class Metrics:
             "igw_queue_shed", "Requests the queue answered 503: at once (`expected`: their "
             "tier's longest wait would pass) or after waiting it (`waited`).",
             ("model", "tier", "reason"), registry=r)
+        self.holder_waits = Counter(
+            "igw_prefix_holder_waits", "Requests whose prompt's holders were all busy and worth "
+            "waiting for, by how it ended: a holder's slot (`holder`) or, waiting no longer "
+            "paid, the first free slot elsewhere (`elsewhere`).", ("model", "outcome"),
+            registry=r)
         self.ejections = Counter(
             "igw_backend_ejections", "Times a backend was ejected after consecutive failures.",
             ("backend",), registry=r)
@@ -288,6 +293,9 @@ class Metrics:
     def shed(self, model: str, tier: str, reason: str) -> None:
         self.add(self.child(self.queue_shed, self.labels.model(model), self.labels.tier(tier),
                             reason))
+
+    def held_out(self, model: str, outcome: str) -> None:
+        self.add(self.child(self.holder_waits, self.labels.model(model), outcome))
 
     def upstream_answered(self, name: str, seconds: float) -> None:
         self.observe(self.child(self.upstream_latency, name), seconds)

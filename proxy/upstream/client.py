@@ -34,7 +34,8 @@ from proxy.errors import ErrorKind, GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.observe.trace import CURRENT, Stage, new_span_id
 from proxy.upstream import http1
-from proxy.upstream.dispatch import Dispatcher, Early
+from proxy.upstream.dispatch import Dispatcher
+from proxy.upstream.early import Early
 from proxy.upstream.pool import RETRY_AFTER_S, Backend, Pool
 from proxy.upstream.prefixes import Prompt
 from proxy.upstream.queue import Ticket

@@ -10,6 +10,10 @@ first-out queues stay short and the queue that decides who runs next is ours.
               pool's preferred backends with one free, when nobody in any gateway waits ahead
               of the request (a higher tier, or an earlier turn of its own tier: fair queuing
               over accounts, proxy.upstream.queue.Turns); otherwise it waits, with its turn
+    holders   a prompt whose holders' slots are all taken, while another replica has one free,
+              waits for a holder's slot (asking again as slots free, holding no place in the
+              queue) as long as prefilling it elsewhere would cost (routing.Ranking), unless
+              requests queue meanwhile
     waiting   each pool with waiters has a pump that asks for its next waiter's slot whenever
               a slot of this worker frees, and every `POLL_S` for slots freed elsewhere; the
               ledger grants it only when no waiter of any gateway comes before it
@@ -37,43 +41,18 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from proxy.errors import ErrorKind, GatewayError
+from proxy.errors import GatewayError
 from proxy.observe.metrics import Metrics
+from proxy.upstream.early import Early
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefixes import Prompt
-from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter
+from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter, saturated
 from proxy.upstream.slots import BEAT_S, SlotLedger, Taken
 
 log = logging.getLogger("proxy.dispatch")
 
 POLL_S = 0.02  # a waiting pool asks for slots freed in other processes this often
-
-
-class Early:
-    """A slot taken before the request's first upstream call, which uses it: taken while
-    admission runs (its round trip in parallel with admission's), or with a network-mode
-    request's other replicas (`held`). A request that never makes that call gives it back
-    (`Dispatcher.forget`)."""
-
-    __slots__ = ("pool", "prompt", "task", "used")
-
-    def __init__(self, pool: Pool, prompt: Prompt | None,
-                 task: asyncio.Future[Backend]) -> None:
-        self.pool = pool
-        self.prompt = prompt  # the request's prompt blocks, hashed once
-        self.task = task
-        self.used = False
-
-    @classmethod
-    def held(cls, pool: Pool, backend: Backend) -> Early:
-        """A slot of `pool` already held on `backend`."""
-        taken: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
-        taken.set_result(backend)
-        return cls(pool, None, taken)
-
-    async def take(self) -> Backend:
-        self.used = True
-        return await self.task
+HOLDER_POLL_S = 0.01  # ... and a request waiting for its prompt's holder (it holds no place)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +80,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._shared = ledger is not None  # False while the ledger's Redis is unreachable
         self._started = asyncio.Event()  # set at the first take: the heartbeat begins
+        self._slot_freed: asyncio.Future[None] | None = None
 
     async def acquire(self, pool: Pool, ticket: Ticket | None, *, prompt: Prompt | None = None,
                       exclude: Backend | None = None) -> Backend:
@@ -161,6 +141,8 @@ class Dispatcher:
             self._spawn(self._give_back(backend))
         for wake in self._wakes.values():  # the backend may serve waiters of other pools too
             wake.set()
+        if self._slot_freed is not None and not self._slot_freed.done():
+            self._slot_freed.set_result(None)
 
     async def in_flight(self) -> dict[str, int] | None:
         """Slots in use per backend, fleet-wide; None without the shared ledger."""
@@ -214,7 +196,8 @@ class Dispatcher:
         ticket = waiter.ticket
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
             return [pool.preferred(exclude=want.exclude, prompt=want.prompt)[0]]
-        preferred = pool.preferred(exclude=want.exclude, prompt=want.prompt, capped=False)
+        preferred, hold, patience = pool.ranked(want.exclude, prompt=want.prompt,
+                                                capped=False)
         if not self._started.is_set():  # this process's first: known alive before it takes
             self._started.set()
             with contextlib.suppress(RedisError):
@@ -222,20 +205,13 @@ class Dispatcher:
         most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, _slots(pool))
         if self._shared:
             waiter.member = self.ledger.member()
-            call = asyncio.ensure_future(self.ledger.take(
-                pool.key, ticket.priority, ticket.higher, ticket.account, _offer(preferred),
-                member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
-                keep_free=_headroom(pool, ticket), need=want.need))
-            try:
-                got = await asyncio.shield(call)
-            except RedisError:
-                self._shared = False
-                waiter.member = ""
-            except asyncio.CancelledError:
-                # The script runs anyway (it was sent): undo what it did once it lands.
-                call.add_done_callback(lambda done: self._undo(done, pool, waiter, preferred))
-                raise
-            else:
+            if hold and patience > 0 and want.need == 1 and not _headroom(pool, ticket):
+                held = await self._holder(pool, waiter, preferred, hold, patience)
+                if held is not None:
+                    return held
+            got = (await self._take(pool, waiter, preferred, preferred, most_ahead)
+                   if self._shared else None)
+            if got is not None:
                 if got.tag is None:
                     raise self._shed(pool, ticket, got.ahead, "expected")
                 waiter.tag = got.tag
@@ -253,6 +229,58 @@ class Dispatcher:
             raise self._shed(pool, ticket, ahead, "expected")
         turns.queued(ticket.account, waiter.tag)
         return None
+
+    async def _take(self, pool: Pool, waiter: Waiter, preferred: list[Backend],
+                    offered: list[Backend], most_ahead: int) -> Taken | None:
+        """One `take` of a slot on the first of `offered` with one free; None when the ledger
+        cannot be reached (this worker counts on its own then)."""
+        assert self.ledger is not None
+        ticket = waiter.ticket
+        call = asyncio.ensure_future(self.ledger.take(
+            pool.key, ticket.priority, ticket.higher, ticket.account, _offer(offered),
+            member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
+            keep_free=_headroom(pool, ticket), need=waiter.want.need))
+        try:
+            return await asyncio.shield(call)
+        except RedisError:
+            self._shared = False
+            waiter.member = ""
+            return None
+        except asyncio.CancelledError:
+            # The script runs anyway (it was sent): undo what it did once it lands.
+            call.add_done_callback(lambda done: self._undo(done, pool, waiter, preferred))
+            raise
+
+    async def _holder(self, pool: Pool, waiter: Waiter, preferred: list[Backend], hold: int,
+                      patience_s: float) -> list[Backend] | None:
+        """A slot on one of the first `hold` backends (they hold the most of the prompt),
+        asked for again as slots free, for up to `patience_s` (routing.Ranking) while nobody
+        queues; None when that passes, or when a request queues (the queue's order decides
+        then). Meanwhile the request holds no place: it delays nobody."""
+        until = time.monotonic() + patience_s
+        waited = False
+        while True:
+            got = await self._take(pool, waiter, preferred, preferred[:hold], -1)
+            if got is None or got.ahead > 0:
+                break
+            if got.backends:
+                if waited:
+                    self.metrics.held_out(pool.model, "holder")
+                return _named(preferred, got.backends)
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            waited = True
+            await asyncio.wait({self._freed()}, timeout=min(HOLDER_POLL_S, left))
+        if waited:
+            self.metrics.held_out(pool.model, "elsewhere")
+        return None
+
+    def _freed(self) -> asyncio.Future[None]:
+        """Done when this worker next gives a slot back."""
+        if self._slot_freed is None or self._slot_freed.done():
+            self._slot_freed = asyncio.get_running_loop().create_future()
+        return self._slot_freed
 
     async def _turn(self, pool: Pool, waiter: Waiter) -> list[Backend] | None:
         """A waiter's slot(s), when free and no waiter of any gateway comes before it."""
@@ -369,17 +397,14 @@ class Dispatcher:
 
     def _shed(self, pool: Pool, ticket: Ticket, ahead: int, reason: str) -> GatewayError:
         self.metrics.shed(pool.model, ticket.tier, reason)
-        return _saturated(pool, ticket, self._drain(pool).wait_s(ahead, _slots(pool)),
-                          waited=reason == "waited")
+        return saturated(pool.model, ticket, self._drain(pool).wait_s(ahead, _slots(pool)),
+                         waited=reason == "waited")
 
     def _local_turns(self, pool: Pool, ticket: Ticket) -> Turns:
         return self._turns.setdefault((pool.key, ticket.priority), Turns())
 
     def _drain(self, pool: Pool) -> Drain:
-        drain = self._drains.get(pool.key)
-        if drain is None:
-            drain = self._drains[pool.key] = Drain()
-        return drain
+        return self._drains.setdefault(pool.key, Drain())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -416,15 +441,3 @@ def _headroom(pool: Pool, ticket: Ticket) -> int:
 
 def _slots(pool: Pool) -> int:
     return sum(b.spec.max_concurrency for b in pool.backends if b.healthy) or 1
-
-
-def _saturated(pool: Pool, ticket: Ticket, wait_s: float, *, waited: bool) -> GatewayError:
-    """503 with the expected wait from now as Retry-After."""
-    retry = max(1, min(300, math.ceil(wait_s)))
-    why = (f"waited its longest {ticket.max_wait_s:g} s for a slot" if waited else
-           f"would wait about {wait_s:.1f} s for a slot, longer than its "
-           f"{ticket.max_wait_s:g} s")
-    return GatewayError(
-        ErrorKind.POOL_SATURATED,
-        f"model {pool.model!r} is busy: tier {ticket.tier!r} {why}; retry in {retry} s",
-        headers={"Retry-After": str(retry)})

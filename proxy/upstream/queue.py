@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.config import TierPolicy
+from proxy.errors import ErrorKind, GatewayError
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,3 +195,16 @@ class Drain:
         """The most waiters a request may find ahead of it and still expect to run within
         `max_wait_s` (-1: none, not even an empty queue)."""
         return math.floor(max_wait_s * max(slots, 1) / self.held_s) - 1
+
+
+def saturated(model: str, ticket: Ticket, wait_s: float, *, waited: bool) -> GatewayError:
+    """503 for a request of `model` the queue will not hold, with the expected wait from now
+    as Retry-After."""
+    retry = max(1, min(300, math.ceil(wait_s)))
+    why = (f"waited its longest {ticket.max_wait_s:g} s for a slot" if waited else
+           f"would wait about {wait_s:.1f} s for a slot, longer than its "
+           f"{ticket.max_wait_s:g} s")
+    return GatewayError(
+        ErrorKind.POOL_SATURATED,
+        f"model {model!r} is busy: tier {ticket.tier!r} {why}; retry in {retry} s",
+        headers={"Retry-After": str(retry)})

@@ -337,6 +337,46 @@ async def test_slots_never_leak_when_clients_leave_at_any_moment(
     assert (await chat(gw, basic, "after"))[0] == 200
 
 
+async def test_slots_never_leak_when_clients_leave_while_waiting_for_their_prompts_holder(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """Requests waiting for the busy replica that holds their prompt (a prefill elsewhere
+    estimated dearer than the wait), cut off at every point: none went elsewhere, afterwards
+    no slot is held and nobody waits, and the prompt's next request runs on its holder."""
+    sims = [await simulator(ttft_ms=10, tokens_per_s=20, max_concurrency=1, max_queued=1,
+                            default_completion_tokens=16) for _ in range(2)]
+    gw = await gateway(*[{"name": f"b{i}", "kind": "vllm", "models": [MODEL],
+                          "url": str(sim.make_url("/")).rstrip("/"), "max_concurrency": 1}
+                         for i, sim in enumerate(sims)],
+                       routing={"pick": "prefix", "prefill_ms_per_1k_tokens": 3000},
+                       policies={"tiers.toml": tiers()})
+    [basic] = await keys(clean_redis.url, ("basic", "acct-holder"))
+    shared = "Keep to the house style and cite the handbook. " * 40
+    busy = asyncio.create_task(chat(gw, basic, shared + "first"))  # ~0.8 s on its holder
+    await asyncio.sleep(0.1)
+    for cut_s in (0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.2):
+        tries = [asyncio.create_task(chat(gw, basic, shared + f"cut {cut_s}", timeout_s=cut_s))
+                 for _ in range(3)]
+        await asyncio.gather(*tries, return_exceptions=True)
+    assert (await busy)[0] == 200
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(clean_redis.url)
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                held = await redis.hgetall("igw:{slots}:total")
+                waiting = [await redis.zcard(key)
+                           async for key in redis.scan_iter("igw:{slots}:wait:*")]
+                if not held and not any(waiting):
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await redis.aclose()
+    assert (await chat(gw, basic, shared + "after"))[0] == 200
+    seen = [order(await sim_requests(sim)) for sim in sims]
+    assert sorted(len(prompts) for prompts in seen) == [0, 2], seen  # first and after
+
+
 async def test_an_engine_that_schedules_by_priority_runs_max_first_in_its_own_queue(
         simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
     """Where the gateway lets an engine queue (its slots set above the engine's batch), a

@@ -112,5 +112,35 @@ async def test_a_replica_with_a_full_batch_loses_the_prompt_and_both_then_hold_i
     assert all(pool.index.matched(f"b{i}", prompt) > 0 for i in range(2))
 
 
+async def test_a_busy_holder_worth_waiting_for_gets_the_request_when_its_slot_frees(
+    simulator: SimulatorFactory, gateway: GatewayFactory
+) -> None:
+    # The same two one-slot replicas, but prefilling the prompt elsewhere now costs more than
+    # the holder's wait (a prefill estimate of 3 s per 1,000 tokens against a 0.5 s answer):
+    # the second request waits for the holder's slot rather than copying the prompt. Waiting,
+    # it holds no place in the queue: another prompt takes the free replica meanwhile.
+    sims = [await simulator(ttft_ms=10, tokens_per_s=20, default_completion_tokens=10)
+            for _ in range(2)]
+    backends = [{"name": f"b{i}", "kind": "vllm", "url": str(s.make_url("/")).rstrip("/"),
+                 "models": [MODEL], "max_concurrency": 1} for i, s in enumerate(sims)]
+    gw = await gateway(*backends, routing={"pick": "prefix", "prefill_ms_per_1k_tokens": 3000})
+    messages = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "hi"}]
+    first = asyncio.create_task(ask(gw, messages, stream=True))
+    await asyncio.sleep(0.1)  # placed and running
+    second = asyncio.create_task(ask(gw, messages, stream=True))
+    await asyncio.sleep(0.05)
+    other = asyncio.create_task(ask(gw, [{"role": "system", "content": SYSTEMS[1]},
+                                         {"role": "user", "content": "hi"}], stream=True))
+    done, _ = await asyncio.wait({second, other}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {other}  # it ran while the second waited for the holder
+    await asyncio.gather(first, second)
+    received = [[r["body"]["messages"][0]["content"] for r in await sim_requests(sim)]
+                for sim in sims]
+    assert sorted(received) == [[SYSTEMS[0]] * 2, [SYSTEMS[1]]], [len(r) for r in received]
+    async with aiohttp.ClientSession() as session, session.get(gw.make_url("/metrics")) as r:
+        text = await r.text()
+    assert 'igw_prefix_holder_waits_total{model="acme/small-chat",outcome="holder"} 1.0' in text
+
+
 def _prompt(messages: list[dict[str, str]]) -> Prompt | None:
     return prompt_of({"model": MODEL, "messages": messages})

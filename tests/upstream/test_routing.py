@@ -20,6 +20,7 @@ from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefix_share import PrefixShare
 from proxy.upstream.prefixes import BLOCK_CHARS, Prompt, pack, prompt_of, unpack
 from proxy.upstream.router import Router
+from proxy.upstream.routing import CACHE_USE, CONTENTION
 from proxy.upstream.signals import EngineSignals, parse_signals
 
 MODEL = "acme/small-chat"
@@ -122,6 +123,48 @@ def test_a_busy_holder_loses_to_prefilling_elsewhere_and_then_both_hold_it() -> 
     assert pool.preferred(prompt=prompt)[0] is spill
     third = next(b for b in pool.backends if b not in (holder, spill))
     assert pool.preferred(prompt=prompt)[-1] is third
+
+
+def test_a_busy_holder_is_worth_waiting_for_as_long_as_prefilling_elsewhere_costs() -> None:
+    """The ranking's patience: how long a slot on the prompt's holder is worth waiting for
+    (the dispatcher waits that long rather than taking a free slot elsewhere)."""
+    pool = chat_pool("a", "b", "c", prefill_ms_per_1k_tokens=60)
+    assert pool.index is not None
+    prompt = prompt_of(turns("Shared instructions. " * 200, "q"))
+    assert prompt is not None
+    cold = pool.ranked(prompt=prompt)
+    assert cold[1:] == (0, 0.0)  # nobody holds it: nothing to wait for
+    holder = pool.pick(prompt=prompt)
+    holder.prefill_until = 0.0
+    for backend in pool.backends:
+        backend.service_s = 0.5
+        load(backend, waiting=0, running=2)
+    other = next(b for b in pool.backends if b is not holder)
+    lacks = pool.index.uncached_tokens(other.name, prompt) - pool.index.uncached_tokens(
+        holder.name, prompt)
+    saved = lacks * pool.prefill_s_per_token * (1 + CACHE_USE)  # its prefill, and what it evicts
+    order, hold, patience = pool.ranked(prompt=prompt)
+    assert (order[0], hold) == (holder, 1)
+    assert patience == pytest.approx(saved)
+    assert 0.15 < patience < 0.25  # ~1,000 tokens at 60 ms per 1,000, three times
+    # Its batch full, nobody queued: still first, worth the same wait less what its fuller
+    # batch slows a first token (the wait for its slot is what the dispatcher finds out).
+    load(holder, waiting=0, running=holder.slots)
+    order, hold, patience = pool.ranked(prompt=prompt)
+    slower = CONTENTION * 0.5 * (holder.slots - 2) / holder.slots
+    assert (order[0], hold, patience) == (holder, 1, pytest.approx(saved - slower))
+    # A queue behind it (40 at 0.5 s over 64 slots: longer than the prefill saved): no
+    # longer first, and nothing to wait for.
+    load(holder, waiting=40, running=holder.slots)
+    assert pool.ranked(prompt=prompt)[0][0] is not holder
+    assert pool.ranked(prompt=prompt)[1:] == (0, 0.0)
+    # Two holders alike: either will do, the third is the one not worth taking at once.
+    spill = pool.pick(prompt=prompt)
+    spill.prefill_until = 0.0
+    load(holder, waiting=0, running=2)
+    load(spill, waiting=0, running=3)
+    order, hold, patience = pool.ranked(prompt=prompt)
+    assert set(order[:2]) == {holder, spill} and hold == 2 and patience > 0.15
 
 
 def test_a_slow_replica_prefills_slower_and_a_busy_prefill_lane_counts() -> None:

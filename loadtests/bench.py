@@ -30,7 +30,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -195,14 +195,16 @@ def choose_mock(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
                   root: Path = ROOT, *, limits: str | None = None,
-                  tracing: float | None = None, shadow: bool = False) -> Setup:
+                  tracing: float | None = None, shadow: bool = False,
+                  routing: Mapping[str, str | float] | None = None) -> Setup:
     """Start what was not given; each start registers its stop on `stack` before anything else
     can fail, so errors and Ctrl-C never leave a server running. `root`: the checkout whose
     `proxy` the started servers run (loadtests.paired starts a base one beside this one);
     `limits`: "tokens" (its tier with token limits), "budgets" (its accounts with budgets) or
     "both", never binding; `tracing`: traces on at that sample ratio, exported to the upstream
     mock (nginx answers OTLP's /v1/traces; the simulator refuses it: the export's work is done
-    all the same); `shadow`: shadow policies judge every request (never binding)."""
+    all the same); `shadow`: shadow policies judge every request (never binding); `routing`:
+    the gateway's [routing] section (e.g. the dispatcher off)."""
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gateway-bench-")))
     starting = not args.gateway_url
     pinning = plan_pinning() if starting else None
@@ -265,7 +267,8 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack,
         ], ledger_fsync=args.ledger_fsync, access_log=args.access_log,
             limits=limits in ("tokens", "both"),
             traces_to=f"{upstream}/v1/traces" if tracing is not None else None,
-            sample_ratio=tracing if tracing is not None else 1.0, shadow=shadow)
+            sample_ratio=tracing if tracing is not None else 1.0, shadow=shadow,
+            routing=routing)
         gw = start("gateway", gateway_args(config, port))
         wait_ready(f"{gateway}/readyz", server=gw)
         setup.worker_pid = gateway_worker_pid(gw.pid)

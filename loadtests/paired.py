@@ -2,7 +2,8 @@
 
     python -m loadtests.paired BASE [--rounds 10] [--slice 2] [--rate 1000] [--keys 200]
                                     [--mock auto|nginx|simulator] [--limits [tokens|budgets]]
-                                    [--tracing RATIO] [--shadow] [--json PATH]
+                                    [--tracing RATIO] [--shadow] [--no-dispatch]
+                                    [--json PATH]
 
 Whole runs of `loadtests.bench` wander at the median on a shared 2-core machine (~0.05 ms, more
 on a busy day), as much as most changes move it. Here both gateways run at once, each as the
@@ -20,7 +21,8 @@ base must share its key and ledger formats. `--tracing RATIO` turns this gateway
 ([telemetry], sampling RATIO of requests, exported to the upstream mock's OTLP sink): with
 BASE = HEAD, what tracing costs. `--shadow` gives this gateway shadow policies (its tier with
 token limits, other prices; never binding) judging every request: with BASE = HEAD, what a
-shadow set costs.
+shadow set costs. `--no-dispatch` turns this gateway's dispatcher off: with BASE = HEAD, what
+the dispatcher costs (read the difference with its sign turned).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the upstream mock (default: nginx when installed)")
     p.add_argument("--limits", nargs="?", const="both", choices=("tokens", "budgets", "both"),
                    help="this gateway only: token limits and/or budgets on (never binding)")
+    p.add_argument("--no-dispatch", action="store_true",
+                   help="this gateway only: the dispatcher off ([routing] dispatch = false)")
     p.add_argument("--shadow", action="store_true",
                    help="this gateway only: shadow policies judge every request")
     p.add_argument("--tracing", type=float, metavar="RATIO",
@@ -192,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 setup = bench.start_servers(bench_args, stack, root=root,
                                             limits=args.limits if name == "this" else None,
                                             tracing=args.tracing if name == "this" else None,
-                                            shadow=args.shadow and name == "this")
+                                            shadow=args.shadow and name == "this",
+                                            routing={"dispatch": False} if args.no_dispatch
+                                            and name == "this" else None)
                 targets.setdefault("direct", setup.targets[0])
                 targets[name] = setup.targets[1]
                 if setup.worker_pid:

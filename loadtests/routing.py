@@ -40,6 +40,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -331,6 +332,15 @@ class PickRun:
     first_token_ms: dict[str, list[float]] = field(default_factory=dict)  # backend -> TTFTs
     busy_pct: dict[str, float] = field(default_factory=dict)  # core -> % busy, whoever used it
     load_average: tuple[float, float] = (math.nan, math.nan)
+    # Requests that waited for a busy replica holding their prompt, by how that ended
+    # (the gateway's igw_prefix_holder_waits_total, warm-up included); none for a router.
+    holder_waits: dict[str, float] = field(default_factory=dict)
+
+    def read_holder_waits(self, metrics_text: str) -> None:
+        for line in metrics_text.splitlines():
+            if line.startswith("igw_prefix_holder_waits_total{"):
+                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                self.holder_waits[outcome] = float(line.rsplit(" ", 1)[1])
 
     def read_access_log(self, path: Path) -> None:
         """The gateway's own view, per backend: each counted request's time to first content
@@ -389,6 +399,7 @@ class PickRun:
             "window_s": self.window_s,
             "core_busy_pct": self.busy_pct,
             "load_average_1m": {"before": self.load_average[0], "after": self.load_average[1]},
+            "holder_waits": self.holder_waits,
         }
 
 
@@ -450,6 +461,8 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
             raise gateway.failed(f"exited during the run (code {gateway.popen.returncode})")
         time.sleep(0.2)  # the access log is written in batches every 0.05 s
         run.read_access_log(gateway.log_path)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+            run.read_holder_waits(page.read().decode())
         return run
 
 
@@ -582,6 +595,10 @@ def render(doc: dict[str, Any]) -> str:
                                         for n in names)),
         ("hit rate per replica %", *("/".join(f"{100 * r['hit_rate']:.0f}"
                                              for r in picks[n]["replicas"]) for n in names)),
+        ("waited for a holder: got it / not", *(
+            "{:.0f}/{:.0f}".format(*(picks[n]["holder_waits"].get(k, 0.0)
+                                     for k in ("holder", "elsewhere")))
+            if picks[n]["routed_by"] == "gateway" else "-" for n in names)),
         ("client lag p99 ms", *(f"{picks[n]['lag_p99_ms']:.1f}" for n in names)),
         ("cores busy %", *("/".join(f"{v:.0f}" for v in picks[n]["core_busy_pct"].values())
                            for n in names)),
@@ -595,7 +612,7 @@ def render(doc: dict[str, Any]) -> str:
                  "from the gateway's receipt, not the client's schedule); none for a router")
     if runs > 1:
         lines.append(f"  figures are means over {runs} runs, min-max below them; requests and "
-                     "errors: the sum; per replica and in flight: the first run's")
+                     "errors: the sum; per replica, in flight and holder waits: the first run's")
     for note in meta.get("skipped", []):
         lines.append(f"  skipped: {note}")
     lines.append("")

@@ -117,6 +117,9 @@ def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> N
         pool = sum(c for c, _ in done) / sum(s for _, s in done)
         assert summary["capacity_load_max_over_mean"] == pytest.approx(
             max(c / s for c, s in done) / pool), pick
+        # The gateway's own count of requests that waited for their prompt's holder.
+        assert set(summary["holder_waits"]) <= {"holder", "elsewhere"}, pick
+        assert all(n >= 0 for n in summary["holder_waits"].values()), pick
     assert figures["meta"]["score"] == {"running_weight": 0.25}
     assert "running_weight 0.25" in result.stdout
     # A smoke run judges errors only (here: engine against p2c; no router ran).

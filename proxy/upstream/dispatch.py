@@ -80,7 +80,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._shared = ledger is not None  # False while the ledger's Redis is unreachable
         self._started = asyncio.Event()  # set at the first take: the heartbeat begins
-        self._slot_freed: asyncio.Future[None] | None = None
+        self._slot_freed: dict[str, asyncio.Future[None]] = {}  # backend -> its next give-back
 
     async def acquire(self, pool: Pool, ticket: Ticket | None, *, prompt: Prompt | None = None,
                       exclude: Backend | None = None) -> Backend:
@@ -141,8 +141,8 @@ class Dispatcher:
             self._spawn(self._give_back(backend))
         for wake in self._wakes.values():  # the backend may serve waiters of other pools too
             wake.set()
-        if self._slot_freed is not None and not self._slot_freed.done():
-            self._slot_freed.set_result(None)
+        if (freed := self._slot_freed.pop(backend.name, None)) is not None:
+            freed.set_result(None)
 
     async def in_flight(self) -> dict[str, int] | None:
         """Slots in use per backend, fleet-wide; None without the shared ledger."""
@@ -271,16 +271,19 @@ class Dispatcher:
             if left <= 0:
                 break
             waited = True
-            await asyncio.wait({self._freed()}, timeout=min(HOLDER_POLL_S, left))
+            await asyncio.wait([self._freed(b) for b in preferred[:hold]],
+                               timeout=min(HOLDER_POLL_S, left),
+                               return_when=asyncio.FIRST_COMPLETED)
         if waited:
             self.metrics.held_out(pool.model, "elsewhere")
         return None
 
-    def _freed(self) -> asyncio.Future[None]:
-        """Done when this worker next gives a slot back."""
-        if self._slot_freed is None or self._slot_freed.done():
-            self._slot_freed = asyncio.get_running_loop().create_future()
-        return self._slot_freed
+    def _freed(self, backend: Backend) -> asyncio.Future[None]:
+        """Done when this worker next gives back a slot of `backend`."""
+        freed = self._slot_freed.get(backend.name)
+        if freed is None:
+            freed = self._slot_freed[backend.name] = asyncio.get_running_loop().create_future()
+        return freed
 
     async def _turn(self, pool: Pool, waiter: Waiter) -> list[Backend] | None:
         """A waiter's slot(s), when free and no waiter of any gateway comes before it."""
@@ -404,7 +407,9 @@ class Dispatcher:
         return self._turns.setdefault((pool.key, ticket.priority), Turns())
 
     def _drain(self, pool: Pool) -> Drain:
-        return self._drains.setdefault(pool.key, Drain())
+        if (drain := self._drains.get(pool.key)) is None:
+            drain = self._drains[pool.key] = Drain()
+        return drain
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
 
 from proxy.upstream.slots import LAPSE_S, SlotLedger, Taken
 from tests.support.accounts import funded_key, new_key
@@ -73,6 +74,22 @@ async def keys(redis_url: str, *pairs: tuple[str, str]) -> list[str]:
             await funded_key(redis_url, account=account)  # credits for the account
         made.append(key)
     return made
+
+
+async def nothing_held(redis_url: str) -> None:
+    """Wait (10 s at most) until the ledger holds no slot and nobody waits in it."""
+    redis = Redis.from_url(redis_url)
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                held = await redis.hgetall("igw:{slots}:total")
+                waiting = [await redis.zcard(key)
+                           async for key in redis.scan_iter("igw:{slots}:wait:*")]
+                if not held and not any(waiting):
+                    return
+                await asyncio.sleep(0.05)
+    finally:
+        await redis.aclose()
 
 
 async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
@@ -212,8 +229,6 @@ async def test_two_gateways_share_the_slots_and_the_tier_order(
 
 
 async def test_a_crashed_process_gives_its_slots_back(clean_redis: RedisProcess) -> None:
-    from redis.asyncio import Redis
-
     redis = Redis.from_url(clean_redis.url)
     crashed, alive = SlotLedger(redis), SlotLedger(redis)
     try:
@@ -254,8 +269,6 @@ async def test_the_ledger_gives_turns_by_account_across_processes(
     """Fair queuing in the ledger: a heavy account's backlog in one process, a light
     account's request in another; the light one is next, a new heavy one finds the backlog
     ahead of it (refused where that is too many), a new light one does not."""
-    from redis.asyncio import Redis
-
     redis = Redis.from_url(clean_redis.url)
     one, other = SlotLedger(redis), SlotLedger(redis)
     slot = [("b0", 1)]
@@ -320,20 +333,7 @@ async def test_slots_never_leak_when_clients_leave_at_any_moment(
         tries = [asyncio.create_task(chat(gw, basic, f"cut {cut_s}", timeout_s=cut_s))
                  for _ in range(3)]
         await asyncio.gather(*tries, return_exceptions=True)
-    from redis.asyncio import Redis
-
-    redis = Redis.from_url(clean_redis.url)
-    try:
-        async with asyncio.timeout(10):  # the cut requests end and give back what they held
-            while True:
-                held = await redis.hgetall("igw:{slots}:total")
-                waiting = [await redis.zcard(key)
-                           async for key in redis.scan_iter("igw:{slots}:wait:*")]
-                if not held and not any(waiting):
-                    break
-                await asyncio.sleep(0.05)
-    finally:
-        await redis.aclose()
+    await nothing_held(clean_redis.url)  # the cut requests end and give back what they held
     assert (await chat(gw, basic, "after"))[0] == 200
 
 
@@ -358,20 +358,7 @@ async def test_slots_never_leak_when_clients_leave_while_waiting_for_their_promp
                  for _ in range(3)]
         await asyncio.gather(*tries, return_exceptions=True)
     assert (await busy)[0] == 200
-    from redis.asyncio import Redis
-
-    redis = Redis.from_url(clean_redis.url)
-    try:
-        async with asyncio.timeout(10):
-            while True:
-                held = await redis.hgetall("igw:{slots}:total")
-                waiting = [await redis.zcard(key)
-                           async for key in redis.scan_iter("igw:{slots}:wait:*")]
-                if not held and not any(waiting):
-                    break
-                await asyncio.sleep(0.05)
-    finally:
-        await redis.aclose()
+    await nothing_held(clean_redis.url)
     assert (await chat(gw, basic, shared + "after"))[0] == 200
     seen = [order(await sim_requests(sim)) for sim in sims]
     assert sorted(len(prompts) for prompts in seen) == [0, 2], seen  # first and after
@@ -445,7 +432,6 @@ async def test_a_speech_request_refused_at_admission_gives_its_early_slot_back(
                                  "prices.toml": PRICES})
     broke = await new_key(clean_redis.url, "basic", account="acct-broke")  # no credits
     [paying] = await keys(clean_redis.url, ("basic", "acct-paying"))
-    from redis.asyncio import Redis
 
     redis = Redis.from_url(clean_redis.url)
     try:

@@ -96,11 +96,7 @@ async def test_a_replica_with_a_full_batch_loses_the_prompt_and_both_then_hold_i
     # One slot each: the holder busy with a slow answer, the next request of its prompt goes
     # to the other replica at once rather than waiting (late binding: the first free slot in
     # the order of expected first-token time).
-    sims = [await simulator(ttft_ms=10, tokens_per_s=20, default_completion_tokens=20)
-            for _ in range(2)]
-    backends = [{"name": f"b{i}", "kind": "vllm", "url": str(s.make_url("/")).rstrip("/"),
-                 "models": [MODEL], "max_concurrency": 1} for i, s in enumerate(sims)]
-    gw = await gateway(*backends, routing={"pick": "prefix"})
+    sims, gw = await one_slot_each(simulator, gateway, answer_tokens=20)
     messages = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "hi"}]
     await asyncio.gather(*(ask(gw, messages, stream=True) for _ in range(2)))
     counts = [len(await sim_requests(sim)) for sim in sims]
@@ -119,11 +115,8 @@ async def test_a_busy_holder_worth_waiting_for_gets_the_request_when_its_slot_fr
     # the holder's wait (a prefill estimate of 3 s per 1,000 tokens against a 0.5 s answer):
     # the second request waits for the holder's slot rather than copying the prompt. Waiting,
     # it holds no place in the queue: another prompt takes the free replica meanwhile.
-    sims = [await simulator(ttft_ms=10, tokens_per_s=20, default_completion_tokens=10)
-            for _ in range(2)]
-    backends = [{"name": f"b{i}", "kind": "vllm", "url": str(s.make_url("/")).rstrip("/"),
-                 "models": [MODEL], "max_concurrency": 1} for i, s in enumerate(sims)]
-    gw = await gateway(*backends, routing={"pick": "prefix", "prefill_ms_per_1k_tokens": 3000})
+    sims, gw = await one_slot_each(simulator, gateway, answer_tokens=10,
+                                   prefill_ms_per_1k_tokens=3000)
     messages = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "hi"}]
     first = asyncio.create_task(ask(gw, messages, stream=True))
     await asyncio.sleep(0.1)  # placed and running
@@ -140,6 +133,17 @@ async def test_a_busy_holder_worth_waiting_for_gets_the_request_when_its_slot_fr
     async with aiohttp.ClientSession() as session, session.get(gw.make_url("/metrics")) as r:
         text = await r.text()
     assert 'igw_prefix_holder_waits_total{model="acme/small-chat",outcome="holder"} 1.0' in text
+
+
+async def one_slot_each(simulator: SimulatorFactory, gateway: GatewayFactory, *,
+                        answer_tokens: int, **routing: Any) -> tuple[list[TestServer], TestServer]:
+    """Two replicas of one slot each (answers of `answer_tokens` at 20 a second), behind a
+    gateway routing by "prefix" (and `routing`)."""
+    sims = [await simulator(ttft_ms=10, tokens_per_s=20, default_completion_tokens=answer_tokens)
+            for _ in range(2)]
+    backends = [{"name": f"b{i}", "kind": "vllm", "url": str(s.make_url("/")).rstrip("/"),
+                 "models": [MODEL], "max_concurrency": 1} for i, s in enumerate(sims)]
+    return sims, await gateway(*backends, routing={"pick": "prefix", **routing})
 
 
 def _prompt(messages: list[dict[str, str]]) -> Prompt | None:

@@ -47,6 +47,7 @@ from proxy.upstream.early import Early
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefixes import Prompt
 from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter, saturated
+from proxy.upstream.routing import Ranking
 from proxy.upstream.slots import BEAT_S, SlotLedger, Taken
 
 log = logging.getLogger("proxy.dispatch")
@@ -196,8 +197,8 @@ class Dispatcher:
         ticket = waiter.ticket
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
             return [pool.preferred(exclude=want.exclude, prompt=want.prompt)[0]]
-        preferred, hold, patience = pool.ranked(want.exclude, prompt=want.prompt,
-                                                capped=False)
+        ranking = pool.ranked(want.exclude, prompt=want.prompt, capped=False)
+        preferred = ranking.order
         if not self._started.is_set():  # this process's first: known alive before it takes
             self._started.set()
             with contextlib.suppress(RedisError):
@@ -205,8 +206,8 @@ class Dispatcher:
         most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, _slots(pool))
         if self._shared:
             waiter.member = self.ledger.member()
-            if hold and patience > 0 and want.need == 1 and not _headroom(pool, ticket):
-                held = await self._holder(pool, waiter, preferred, hold, patience)
+            if ranking.patience_s > 0 and want.need == 1 and not _headroom(pool, ticket):
+                held = await self._holder(pool, waiter, ranking)
                 if held is not None:
                     return held
             got = (await self._take(pool, waiter, preferred, preferred, most_ahead)
@@ -251,16 +252,17 @@ class Dispatcher:
             call.add_done_callback(lambda done: self._undo(done, pool, waiter, preferred))
             raise
 
-    async def _holder(self, pool: Pool, waiter: Waiter, preferred: list[Backend], hold: int,
-                      patience_s: float) -> list[Backend] | None:
-        """A slot on one of the first `hold` backends (they hold the most of the prompt),
-        asked for again as slots free, for up to `patience_s` (routing.Ranking) while nobody
+    async def _holder(self, pool: Pool, waiter: Waiter, ranking: Ranking[Backend]
+                      ) -> list[Backend] | None:
+        """A slot on one of the ranking's first `hold` backends (they hold the most of the
+        prompt), asked for again as slots free, for up to its `patience_s` while nobody
         queues; None when that passes, or when a request queues (the queue's order decides
         then). Meanwhile the request holds no place: it delays nobody."""
-        until = time.monotonic() + patience_s
+        preferred, holders = ranking.order, ranking.order[:ranking.hold]
+        until = time.monotonic() + ranking.patience_s
         waited = False
         while True:
-            got = await self._take(pool, waiter, preferred, preferred[:hold], -1)
+            got = await self._take(pool, waiter, preferred, holders, -1)
             if got is None or got.ahead > 0:
                 break
             if got.backends:
@@ -271,7 +273,7 @@ class Dispatcher:
             if left <= 0:
                 break
             waited = True
-            await asyncio.wait([self._freed(b) for b in preferred[:hold]],
+            await asyncio.wait([self._freed(b) for b in holders],
                                timeout=min(HOLDER_POLL_S, left),
                                return_when=asyncio.FIRST_COMPLETED)
         if waited:

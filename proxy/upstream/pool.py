@@ -38,7 +38,14 @@ from proxy.upstream.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 from proxy.upstream.http1 import Target
 from proxy.upstream.prefixes import PrefixIndex, Prompt
-from proxy.upstream.routing import PickKind, PromptView, Weights, by_first_token, slowness
+from proxy.upstream.routing import (
+    PickKind,
+    PromptView,
+    Ranking,
+    Weights,
+    by_first_token,
+    slowness,
+)
 from proxy.upstream.routing import pick as choose
 from proxy.upstream.signals import EngineSignals
 
@@ -284,14 +291,12 @@ class Pool:
         slot. "prefix" orders them all by expected time to first token; the other picks put
         their choice first, then the others by this worker's requests in flight per unit of
         weight. 503 when none."""
-        return self.ranked(exclude, rng, prompt, capped)[0]
+        return self.ranked(exclude, rng, prompt, capped).order
 
     def ranked(self, exclude: Backend | None = None, rng: random.Random | None = None,
-               prompt: Prompt | None = None, capped: bool = True
-               ) -> tuple[list[Backend], int, float]:
+               prompt: Prompt | None = None, capped: bool = True) -> Ranking[Backend]:
         """`preferred`, with how many of its first backends hold the most of `prompt` and how
-        long a slot on one of them is worth waiting for (`routing.Ranking`; 0 and 0.0 but for
-        a held prompt of a "prefix" pool)."""
+        long a slot on one of them is worth waiting for (`routing.Ranking`)."""
         candidates = [b for b in self.backends
                       if (b.available if capped else b.healthy) and b is not exclude]
         if not candidates:
@@ -308,15 +313,12 @@ class Pool:
                 backlog_s=[max(0.0, b.prefill_until - clock) for b in candidates],
                 idle_s=[index.idle_s(b.name, clock) for b in candidates],
                 held=[index.size(b.name) for b in candidates])
-            ranking = by_first_token(candidates, view, self.prefill_s_per_token, now,
-                                     rng or _RNG)
-            return ([b for b in ranking.order if isinstance(b, Backend)], ranking.hold,
-                    ranking.patience_s)
+            return by_first_token(candidates, view, self.prefill_s_per_token, now, rng or _RNG)
         chosen = choose(self.pick_kind, candidates, weights=self.weights, now=now,
                         rng=rng or _RNG)
         assert isinstance(chosen, Backend)
-        return [chosen, *sorted((b for b in candidates if b is not chosen),
-                                key=Backend.local_score)], 0, 0.0
+        return Ranking([chosen, *sorted((b for b in candidates if b is not chosen),
+                                        key=Backend.local_score)])
 
     def placed(self, backend: Backend, prompt: Prompt | None) -> None:
         """A request was bound to `backend`: it counts as sent, and its prompt's blocks as

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from proxy.config import RoutingSection
@@ -124,13 +124,16 @@ class PromptView:
     held: Sequence[int]  # blocks each is known to hold
 
 
-@dataclass(frozen=True, slots=True)
-class Ranking:
-    """A prompt's replicas by expected time to its first token, least first; the first `hold`
-    of them hold the most of it, and waiting up to `patience_s` for a slot on one of those
-    still beats prefilling the prompt on the next replica now (0: nothing worth waiting for)."""
+R = TypeVar("R", bound=Replica)
 
-    order: list[Replica]
+
+class Ranking(NamedTuple, Generic[R]):
+    """A pool's replicas in the order a request should have them, least expected time to its
+    first token first; the first `hold` of them hold the most of its prompt, and waiting up to
+    `patience_s` for a slot on one of those still beats prefilling the prompt on the next
+    replica now (0: nothing worth waiting for, as for every pick but "prefix")."""
+
+    order: list[R]
     hold: int = 0
     patience_s: float = 0.0
 
@@ -138,8 +141,8 @@ class Ranking:
 HOLDS_ALIKE = 0.05  # replicas whose uncached parts differ by less (of the prompt) hold it alike
 
 
-def by_first_token(replicas: Sequence[Replica], view: PromptView, prefill_s_per_token: float,
-                   now: float, rng: random.Random) -> Ranking:
+def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token: float,
+                   now: float, rng: random.Random) -> Ranking[R]:
     """`replicas` by the expected time to a prompt's first token on each, least first: the
     wait for one of its slots (with its requests in flight), the prefills it was sent ahead
     of this one, and the prefill of what it does not hold of the prompt, at its measured
@@ -180,7 +183,7 @@ def by_first_token(replicas: Sequence[Replica], view: PromptView, prefill_s_per_
         costs[id(replica)] = (wait + backlog + prefill * slowness(service, services)
                               + CACHE_USE * prefill)
 
-    def tie(replica: Replica) -> float:  # weighted random: twice the weight, first twice as often
+    def tie(replica: R) -> float:  # weighted random: twice the weight, first twice as often
         return -float(rng.random() ** (1 / replica.weight))
 
     if min(view.uncached_tokens) < COLD_SHARE * view.tokens:

@@ -237,10 +237,13 @@ def build_app(config: Config, *, redis_url: str, resolver: AbstractResolver | No
                             _health_ctx, _tasks_ctx])
     app[ROUTE_STYLES] = {r.handler: r.style for r in ROUTES if r.style is not None}
     for route in ROUTES:
+        # Any account segment reaches its handler, which answers a bad one 422 as documented
+        # (aiohttp's default variable refuses braces: a 404 "no such route" otherwise).
+        path = route.path.replace("{account}", "{account:[^/]+}")
         if route.method == "GET":
-            app.router.add_get(route.path, route.handler)  # also answers HEAD
+            app.router.add_get(path, route.handler)  # also answers HEAD
         else:
-            app.router.add_route(route.method, route.path, route.handler)
+            app.router.add_route(route.method, path, route.handler)
     return app
 
 

@@ -71,6 +71,12 @@ async def test_credit_amounts_and_accounts_are_checked(gw: TestServer) -> None:
     status, body = await call(gw, "POST", "/admin/accounts/no%20spaces/credits", headers=ADMIN,
                               json={"amount": "1"})
     assert status == 422 and body["detail"][0]["loc"] == ["path", "account"]
+    # A segment with braces (a template left unfilled) reaches the same check, not a 404.
+    for method, braced in (("POST", "/admin/accounts/%7Baccount%7D/credits"),
+                           ("GET", "/admin/accounts/%7Baccount%7D/alerts")):
+        status, body = await call(gw, method, braced, headers=ADMIN,
+                                  json={"amount": "1"} if method == "POST" else None)
+        assert status == 422 and body["detail"][0]["loc"] == ["path", "account"], braced
     status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": "-0.5"})
     assert (status, body["error"]["type"]) == (409, "conflict")  # below zero
     status, body = await call(gw, "POST", path, headers=ADMIN, json={"amount": "2.5"})

@@ -21,6 +21,8 @@ first-out queues stay short and the queue that decides who runs next is ours.
               fast the pool's slots free) passes its tier's `max_queue_wait_s` is answered 503
               pool_saturated at once, with that wait as Retry-After; one that waits that long
               is answered the same
+    spares    while a pool is far from full, a worker keeps a few slots between its requests
+              (proxy.upstream.spares): most of its requests then make no ledger call at all
     leaving   a client that disconnects while queued leaves the queue (nothing was held
               upstream; its credit hold is released as for any request that never ran)
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -44,11 +45,12 @@ from redis.exceptions import RedisError
 from proxy.errors import GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.upstream.early import Early
-from proxy.upstream.pool import Backend, Pool
+from proxy.upstream.pool import Backend, Pool, free_here
 from proxy.upstream.prefixes import Prompt
 from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter, saturated
 from proxy.upstream.routing import Ranking
 from proxy.upstream.slots import BEAT_S, SlotLedger, Taken
+from proxy.upstream.spares import Spares
 
 log = logging.getLogger("proxy.dispatch")
 
@@ -82,6 +84,7 @@ class Dispatcher:
         self._shared = ledger is not None  # False while the ledger's Redis is unreachable
         self._started = asyncio.Event()  # set at the first take: the heartbeat begins
         self._slot_freed: dict[str, asyncio.Future[None]] = {}  # backend -> its next give-back
+        self._spares = Spares(lambda name, count: self._spawn(self._give_back(name, count)))
 
     async def acquire(self, pool: Pool, ticket: Ticket | None, *, prompt: Prompt | None = None,
                       exclude: Backend | None = None) -> Backend:
@@ -138,8 +141,9 @@ class Dispatcher:
     def release(self, pool: Pool, backend: Backend, held_s: float) -> None:
         """The request is done with its slot: give it back, and let a waiter try."""
         self._drain(pool).observe(held_s)
-        if self.ledger is not None:
-            self._spawn(self._give_back(backend))
+        if self.ledger is not None and not (self._shared and not self._waiting()
+                                            and self._spares.keep(backend)):
+            self._spawn(self._give_back(backend.name))
         for wake in self._wakes.values():  # the backend may serve waiters of other pools too
             wake.set()
         if (freed := self._slot_freed.pop(backend.name, None)) is not None:
@@ -184,6 +188,8 @@ class Dispatcher:
         await asyncio.gather(*self._pumps.values(), *self._background,
                              return_exceptions=True)
         if self.ledger is not None:
+            for name, count in self._spares.take_all().items():
+                await self._give_back(name, count)
             await self.ledger.close()
 
     # --- taking a slot -------------------------------------------------------------------
@@ -203,14 +209,16 @@ class Dispatcher:
             self._started.set()
             with contextlib.suppress(RedisError):
                 await self.ledger.beat()
-        most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, _slots(pool))
+        most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, pool.slots())
         if self._shared:
+            if preferred and not ticket.headroom and self._spares.use(preferred[0]):
+                return preferred[:1]  # kept from an earlier request (no headroom to keep)
             waiter.member = self.ledger.member()
-            if ranking.patience_s > 0 and want.need == 1 and not _headroom(pool, ticket):
+            if ranking.patience_s > 0 and want.need == 1 and not ticket.keep_free(pool.slots()):
                 held = await self._holder(pool, waiter, ranking)
                 if held is not None:
                     return held
-            got = (await self._take(pool, waiter, preferred, preferred, most_ahead)
+            got = (await self._take(pool, waiter, preferred, preferred, most_ahead, spare=True)
                    if self._shared else None)
             if got is not None:
                 if got.tag is None:
@@ -222,7 +230,7 @@ class Dispatcher:
         waiter.tag = turns.tag(ticket.account)
         queue = self._queues.get(pool.key)
         ahead = queue.ahead(ticket.priority, waiter.tag) if queue else 0
-        if ahead == 0 and (local := _free(preferred, _headroom(pool, ticket),
+        if ahead == 0 and (local := free_here(preferred, ticket.keep_free(pool.slots()),
                                           want.need)) is not None:
             turns.served(ticket.account, waiter.tag)
             return local
@@ -232,17 +240,26 @@ class Dispatcher:
         return None
 
     async def _take(self, pool: Pool, waiter: Waiter, preferred: list[Backend],
-                    offered: list[Backend], most_ahead: int) -> Taken | None:
-        """One `take` of a slot on the first of `offered` with one free; None when the ledger
-        cannot be reached (this worker counts on its own then)."""
+                    offered: list[Backend], most_ahead: int, spare: bool = False
+                    ) -> Taken | None:
+        """One `take` of a slot on the first of `offered` with one free (and spares to keep
+        there, when `spare` and the pool is free enough); None when the ledger cannot be
+        reached (this worker counts on its own then)."""
         assert self.ledger is not None
-        ticket = waiter.ticket
+        ticket, first = waiter.ticket, offered[0]
+        wanted = (self._spares.wanted(first)
+                  if spare and waiter.want.need == 1 and not self._waiting() else 0)
         call = asyncio.ensure_future(self.ledger.take(
             pool.key, ticket.priority, ticket.higher, ticket.account, _offer(offered),
             member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
-            keep_free=_headroom(pool, ticket), need=waiter.want.need))
+            keep_free=ticket.keep_free(pool.slots()), need=waiter.want.need, spare=wanted))
         try:
-            return await asyncio.shield(call)
+            got = await asyncio.shield(call)
+            if got.spare:
+                self._spares.granted(first, got.spare)
+            elif got.ahead or not got.backends:  # someone waits, or will: none kept
+                self._spares.give_back_all()
+            return got
         except RedisError:
             self._shared = False
             waiter.member = ""
@@ -296,11 +313,12 @@ class Dispatcher:
             try:
                 got = await self.ledger.turn(pool.key, ticket.priority, ticket.higher,
                                              ticket.account, _offer(preferred), waiter.member,
-                                             waiter.tag, _headroom(pool, ticket), want.need)
+                                             waiter.tag, ticket.keep_free(pool.slots()), want.need)
                 return _named(preferred, got.backends)
             except RedisError:
                 self._shared = False
-        local = _free(preferred, _headroom(pool, ticket), want.need)  # the head: first here
+        # This worker's own counts: the head of its queue is first here.
+        local = free_here(preferred, ticket.keep_free(pool.slots()), want.need)
         if local is not None:
             self._local_turns(pool, ticket).served(ticket.account, waiter.tag)
         return local
@@ -332,10 +350,14 @@ class Dispatcher:
         with contextlib.suppress(RedisError):  # it is forgotten when its longest wait ends
             await self.ledger.leave(pool, ticket.priority, ticket.account, member, tag)
 
-    async def _give_back(self, backend: Backend) -> None:
+    async def _give_back(self, backend: str, count: int = 1) -> None:
         assert self.ledger is not None
         with contextlib.suppress(RedisError):
-            await self.ledger.give_back(backend.name)
+            await self.ledger.give_back(backend, count)
+
+    def _waiting(self) -> bool:
+        """Requests of this worker wait: for a slot, or for their prompt's holder."""
+        return bool(self._slot_freed) or any(self._queues.values())
 
     # --- waiting ---------------------------------------------------------------------------
 
@@ -402,7 +424,7 @@ class Dispatcher:
 
     def _shed(self, pool: Pool, ticket: Ticket, ahead: int, reason: str) -> GatewayError:
         self.metrics.shed(pool.model, ticket.tier, reason)
-        return saturated(pool.model, ticket, self._drain(pool).wait_s(ahead, _slots(pool)),
+        return saturated(pool.model, ticket, self._drain(pool).wait_s(ahead, pool.slots()),
                          waited=reason == "waited")
 
     def _local_turns(self, pool: Pool, ticket: Ticket) -> Turns:
@@ -426,25 +448,3 @@ def _offer(preferred: list[Backend]) -> list[tuple[str, int]]:
 def _named(preferred: list[Backend], names: tuple[str, ...]) -> list[Backend] | None:
     by_name = {b.name: b for b in preferred}
     return [by_name[name] for name in names if name in by_name] or None
-
-
-def _free(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:
-    """The first `need` backends with a slot free by this worker's own counts, when more
-    than `keep_free` are."""
-    free = sum(max(0, b.spec.max_concurrency - b.outstanding) for b in preferred)
-    if free <= keep_free:
-        return None
-    found = [b for b in preferred if b.outstanding < b.spec.max_concurrency][:need]
-    return found if len(found) == need else None
-
-
-def _headroom(pool: Pool, ticket: Ticket) -> int:
-    """Slots a request of `ticket` leaves free for the tiers above (never all of them)."""
-    if not ticket.headroom:
-        return 0
-    slots = _slots(pool)
-    return min(math.floor(ticket.headroom * slots), slots - 1)
-
-
-def _slots(pool: Pool) -> int:
-    return sum(b.spec.max_concurrency for b in pool.backends if b.healthy) or 1

@@ -272,6 +272,10 @@ class Pool:
         """Whether any backend is healthy now (at its cap or not): `auto` mode's test."""
         return any(b.healthy for b in self.backends)
 
+    def slots(self) -> int:
+        """Requests its healthy backends run at once (1 when none is healthy)."""
+        return sum(b.slots for b in self.backends if b.healthy) or 1
+
     def context_limit(self) -> int | None:
         """The least context length the pool's engines report for its model (None: unknown)."""
         known = [n for b in self.backends if (n := b.max_model_len.get(self.model)) is not None]
@@ -385,3 +389,13 @@ class Pool:
             f"model {self.model!r} is temporarily unavailable: {reason}",
             headers={"Retry-After": RETRY_AFTER_S},
         )
+
+
+def free_here(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:
+    """The first `need` of `preferred` with a slot free by this worker's own counts, when
+    more than `keep_free` are."""
+    free = sum(max(0, b.spec.max_concurrency - b.outstanding) for b in preferred)
+    if free <= keep_free:
+        return None
+    found = [b for b in preferred if b.outstanding < b.spec.max_concurrency][:need]
+    return found if len(found) == need else None

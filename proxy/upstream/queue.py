@@ -45,6 +45,11 @@ class Ticket:
     higher: tuple[int, ...] = ()  # the other tiers' priorities above this one
     headroom: float = 0.0  # the share of a pool's slots it leaves free for those tiers
 
+    def keep_free(self, slots: int) -> int:
+        """Of a pool's `slots`, those this request leaves free for the tiers above (never
+        all of them)."""
+        return min(math.floor(self.headroom * slots), slots - 1) if self.headroom else 0
+
 
 def ticket_for(tier_name: str, tiers: Mapping[str, TierPolicy], account: str
                ) -> Ticket | None:

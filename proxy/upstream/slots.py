@@ -15,7 +15,9 @@ network-mode request: one on each of several, all at once), unless a request of 
 or one of its own tier with an earlier turn (queue.Turns: fair queuing over accounts), waits
 for the same pool in any gateway: then it waits too, tagged with its account's next turn, or
 is refused at once when more wait ahead of it than its longest wait allows. A waiting request
-asks again with `turn` when a slot frees; `leave` takes it out. `give_back` frees a slot.
+asks again with `turn` when a slot frees; `leave` takes it out. `give_back` frees slots. A
+`take` may also give the process spare slots to keep while the pool is far from full
+(proxy.upstream.spares): they count as in flight like any other.
 Every process beats its heartbeat every `BEAT_S`; the first beat after another process's lapsed
 gives back every slot that process held (it crashed). A waiting request is forgotten when its
 longest wait ends, whoever forgot to take it out (a crashed process, a lost connection). A
@@ -46,8 +48,9 @@ _KEYS = [_PREFIX + name for name in ("total", "held", "alive", "now")]
 # ARGV: mode ('new' or 'turn'), process, Q, account, request's member, its tag (turn), its
 # longest wait in ms (new), most waiters it may find ahead (new), slots it leaves free for the
 # tiers above (headroom), distinct backends it needs a slot on at once (network mode: several),
-# then (backend, slots) pairs in preference order. Returns {backends taken (one per line) or '',
-# waiters ahead of it in every gateway, its tag (-1: refused, nothing changed)}.
+# spare slots the process would keep of the first backend (proxy.upstream.spares), then
+# (backend, slots) pairs in preference order. Returns {backends taken (one per line) or '',
+# waiters ahead of it in every gateway, its tag (-1: refused, nothing changed), spares given}.
 _TAKE = """
 local mode, proc, q, account, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local t = redis.call('TIME')
@@ -75,7 +78,7 @@ ahead = ahead + redis.call('ZCOUNT', KEYS[5], '-inf', '(' .. tag)
 local need, room = tonumber(ARGV[10]), true
 if ahead == 0 and tonumber(ARGV[9]) > 0 then  -- only when more than its headroom is free
   local free = 0
-  for i = 11, #ARGV, 2 do
+  for i = 12, #ARGV, 2 do
     free = free + math.max(0, tonumber(ARGV[i + 1]) -
                               tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
   end
@@ -83,7 +86,7 @@ if ahead == 0 and tonumber(ARGV[9]) > 0 then  -- only when more than its headroo
 end
 if ahead == 0 and room then
   local found = {}
-  for i = 11, #ARGV, 2 do
+  for i = 12, #ARGV, 2 do
     if #found == need then break end
     if tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') < tonumber(ARGV[i + 1]) then
       found[#found + 1] = ARGV[i]
@@ -107,16 +110,36 @@ if ahead == 0 and room then
     end
     redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)  -- turns now or past: like new
     redis.call('PEXPIRE', KEYS[4], 600000)  -- an idle pool's turns are forgotten (10 min)
-    return {table.concat(found, '\\n'), 0, tag}
+    -- Spares on the first backend, while at least half of the pool's slots stay free.
+    local spare = tonumber(ARGV[11])
+    if spare > 0 and found[1] == ARGV[12] then
+      local slots, used = 0, 0
+      for i = 12, #ARGV, 2 do
+        local cap = tonumber(ARGV[i + 1])
+        slots = slots + cap
+        used = used + math.min(cap, tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
+      end
+      local first = tonumber(ARGV[13]) - tonumber(redis.call('HGET', KEYS[1], ARGV[12]))
+      spare = math.min(spare, first, slots - used - math.ceil(slots / 2))
+      if spare > 0 then
+        redis.call('HINCRBY', KEYS[1], ARGV[12], spare)
+        redis.call('HINCRBY', KEYS[2], ARGV[12] .. '|' .. proc, spare)
+      else
+        spare = 0
+      end
+    else
+      spare = 0
+    end
+    return {table.concat(found, '\\n'), 0, tag, spare}
   end
 end
-if mode == 'turn' then return {'', ahead, tag} end
-if ahead > tonumber(ARGV[8]) then return {'', ahead, -1} end
+if mode == 'turn' then return {'', ahead, tag, 0} end
+if ahead > tonumber(ARGV[8]) then return {'', ahead, -1, 0} end
 redis.call('ZADD', KEYS[5], tag, member)
 redis.call('ZADD', KEYS[6], now_ms + tonumber(ARGV[7]), member)
 redis.call('ZADD', KEYS[4], tag + 1, account)
 for i = 4, 6 do redis.call('PEXPIRE', KEYS[i], 600000) end
-return {'', ahead, tag}
+return {'', ahead, tag, 0}
 """
 # KEYS: next:Q, wait:Q, due:Q. ARGV: member, account, tag. A waiter leaves; its turn is its
 # account's again if it was the account's last.
@@ -129,19 +152,20 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
 end
 return 1
 """
-# ARGV: process, backend.
+# ARGV: process, backend, how many slots. Never more than the process holds.
 _GIVE_BACK = """
 local field = ARGV[2] .. '|' .. ARGV[1]
 local mine = tonumber(redis.call('HGET', KEYS[2], field) or '0')
-if mine <= 0 then return 0 end
-if mine == 1 then
+local count = math.min(mine, tonumber(ARGV[3]))
+if count <= 0 then return 0 end
+if mine == count then
   redis.call('HDEL', KEYS[2], field)
 else
-  redis.call('HINCRBY', KEYS[2], field, -1)
+  redis.call('HINCRBY', KEYS[2], field, -count)
 end
-local total = redis.call('HINCRBY', KEYS[1], ARGV[2], -1)
+local total = redis.call('HINCRBY', KEYS[1], ARGV[2], -count)
 if total <= 0 then redis.call('HDEL', KEYS[1], ARGV[2]) end
-return 1
+return count
 """
 # ARGV: process, now ms, lapse ms. Beats, then gives back what lapsed processes held.
 _BEAT = """
@@ -176,12 +200,13 @@ return 1
 @dataclass(frozen=True, slots=True)
 class Taken:
     """What `take` and `turn` found: the backends taken (none, or as many as it needs), the
-    requests waiting ahead in every gateway, and the request's tag (None: refused, it waited
-    for nothing)."""
+    requests waiting ahead in every gateway, the request's tag (None: refused, it waited for
+    nothing), and the spare slots taken besides on the first backend."""
 
     backends: tuple[str, ...]
     ahead: int
     tag: int | None
+    spare: int = 0
 
 
 def _queue_keys(pool: str, priority: int) -> list[str]:
@@ -212,13 +237,15 @@ class SlotLedger:
     async def take(self, pool: str, priority: int, higher: Sequence[int], account: str,
                    candidates: Sequence[tuple[str, int]], *, member: str = "",
                    wait_s: float = 0.0, most_ahead: int = -1, keep_free: int = 0,
-                   need: int = 1) -> Taken:
+                   need: int = 1, spare: int = 0) -> Taken:
         """A new request of `account`: a slot on the first candidate (backend, slots) with
         one free (on each of the first `need` with one) when nobody waits ahead of it and more
         than `keep_free` slots are free; otherwise it waits as `member` for up to `wait_s`,
-        unless more than `most_ahead` wait ahead of it (refused: `tag` None)."""
+        unless more than `most_ahead` wait ahead of it (refused: `tag` None). With its slot on
+        the first candidate, up to `spare` more there for the process to keep
+        (proxy.upstream.spares), as many as leave half of the candidates' slots free."""
         return await self._call("new", pool, priority, higher, account, candidates,
-                                member, 0, wait_s, most_ahead, keep_free, need)
+                                member, 0, wait_s, most_ahead, keep_free, need, spare)
 
     async def turn(self, pool: str, priority: int, higher: Sequence[int], account: str,
                    candidates: Sequence[tuple[str, int]], member: str, tag: int,
@@ -226,7 +253,7 @@ class SlotLedger:
         """A waiting request asks again: its slots when nobody waits ahead of it and more
         than `keep_free` are free (it stops waiting then)."""
         return await self._call("turn", pool, priority, higher, account, candidates,
-                                member, tag, 0.0, 0, keep_free, need)
+                                member, tag, 0.0, 0, keep_free, need, 0)
 
     async def leave(self, pool: str, priority: int, account: str, member: str,
                     tag: int) -> None:
@@ -235,22 +262,24 @@ class SlotLedger:
 
     async def _call(self, mode: str, pool: str, priority: int, higher: Sequence[int],
                     account: str, candidates: Sequence[tuple[str, int]], member: str,
-                    tag: int, wait_s: float, most_ahead: int, keep_free: int, need: int
-                    ) -> Taken:
+                    tag: int, wait_s: float, most_ahead: int, keep_free: int, need: int,
+                    spare: int) -> Taken:
         keys = [_KEYS[0], _KEYS[1], _KEYS[3], *_queue_keys(pool, priority)]
         for above in higher:
             keys += _queue_keys(pool, above)[1:]
         args: list[str | int] = [mode, self.process, f"{pool}|{priority}", account, member,
-                                 tag, int(wait_s * 1000) + 1000, most_ahead, keep_free, need]
+                                 tag, int(wait_s * 1000) + 1000, most_ahead, keep_free, need,
+                                 spare]
         for name, slots in candidates:
             args += [name, slots]
-        taken, ahead, tagged = await self._pipes.call(self._take, keys, args)
+        taken, ahead, tagged, spared = await self._pipes.call(self._take, keys, args)
         names = taken.decode() if isinstance(taken, bytes) else str(taken)
         return Taken(tuple(names.split("\n")) if names else (), int(ahead),
-                     None if int(tagged) < 0 else int(tagged))
+                     None if int(tagged) < 0 else int(tagged), int(spared))
 
-    async def give_back(self, backend: str) -> None:
-        await self._pipes.call(self._give_back, _KEYS, [self.process, backend])
+    async def give_back(self, backend: str, count: int = 1) -> None:
+        """`count` slots of `backend` this process held are free (never more than it holds)."""
+        await self._pipes.call(self._give_back, _KEYS, [self.process, backend, count])
 
     async def beat(self, now: float | None = None) -> None:
         """This process is alive; processes whose beat lapsed before `now` are not."""

@@ -211,15 +211,16 @@ class Dispatcher:
                 await self.ledger.beat()
         most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, pool.slots())
         if self._shared:
-            if preferred and not ticket.headroom and self._spares.use(preferred[0]):
+            if (want.need == 1 and preferred and not ticket.headroom
+                    and self._spares.use(preferred[0])):
                 return preferred[:1]  # kept from an earlier request (no headroom to keep)
             waiter.member = self.ledger.member()
             if ranking.patience_s > 0 and want.need == 1 and not ticket.keep_free(pool.slots()):
                 held = await self._holder(pool, waiter, ranking)
                 if held is not None:
                     return held
-            got = (await self._take(pool, waiter, preferred, preferred, most_ahead, spare=True)
-                   if self._shared else None)
+            got = (await self._take(pool, waiter, preferred, preferred, most_ahead,
+                                    spare=want.need == 1) if self._shared else None)
             if got is not None:
                 if got.tag is None:
                     raise self._shed(pool, ticket, got.ahead, "expected")
@@ -247,8 +248,7 @@ class Dispatcher:
         reached (this worker counts on its own then)."""
         assert self.ledger is not None
         ticket, first = waiter.ticket, offered[0]
-        wanted = (self._spares.wanted(first)
-                  if spare and waiter.want.need == 1 and not self._waiting() else 0)
+        wanted = self._spares.wanted(first) if spare and not self._waiting() else 0
         call = asyncio.ensure_future(self.ledger.take(
             pool.key, ticket.priority, ticket.higher, ticket.account, _offer(offered),
             member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,

@@ -285,3 +285,24 @@ async def test_network_replicas_wait_for_their_slots_together(
         assert not held  # every slot given back
     finally:
         await redis.aclose()
+
+
+async def test_a_network_request_right_after_a_direct_one_still_runs_on_two_replicas(
+        gateway: Any, simulator: Any, clean_redis: Any) -> None:
+    """The direct request leaves its worker a spare slot on the backend both pools share
+    (proxy.upstream.spares): the network request, needing two distinct backends at once,
+    takes its slots from the ledger rather than that one spare. (Six times: the network pool
+    orders its two backends at random, and only one holds the spare.)"""
+    gw, headers, _, redis, sims = await net_stack(gateway, simulator, clean_redis)
+    try:
+        for i in range(1, 7):
+            direct = await post(gw, {"model": LARGE, "messages": HELLO, "mode": "direct"},
+                                headers)
+            assert direct[0] == 200, direct[2]
+            network = await post(gw, {"model": LARGE, "messages": HELLO, "mode": "network"},
+                                 headers)
+            assert network[0] == 200, network[2]
+            assert orjson.loads(network[2])["mode"] == "network"
+            assert [await sim_count(s) for s in sims] == [2 * i, i]
+    finally:
+        await redis.aclose()

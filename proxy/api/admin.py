@@ -363,7 +363,8 @@ async def list_backends(request: web.Request) -> web.Response:
                   "prefix_index": prefix,
                   "data": [{**backend_view(b), "slots": {
                       "max": b.spec.max_concurrency,
-                      "in_use": None if in_use is None else in_use.get(b.name, 0)}}
+                      "in_use": None if in_use is None else in_use.get(b.name, 0),
+                      "spare": dispatcher.spares.kept(b.name)}}
                       for b in backends]})
 
 

@@ -84,7 +84,7 @@ class Dispatcher:
         self._shared = ledger is not None  # False while the ledger's Redis is unreachable
         self._started = asyncio.Event()  # set at the first take: the heartbeat begins
         self._slot_freed: dict[str, asyncio.Future[None]] = {}  # backend -> its next give-back
-        self._spares = Spares(lambda name, count: self._spawn(self._give_back(name, count)))
+        self.spares = Spares(lambda name, count: self._spawn(self._give_back(name, count)))
 
     async def acquire(self, pool: Pool, ticket: Ticket | None, *, prompt: Prompt | None = None,
                       exclude: Backend | None = None) -> Backend:
@@ -142,7 +142,7 @@ class Dispatcher:
         """The request is done with its slot: give it back, and let a waiter try."""
         self._drain(pool).observe(held_s)
         if self.ledger is not None and not (self._shared and not self._waiting()
-                                            and self._spares.keep(backend)):
+                                            and self.spares.keep(backend)):
             self._spawn(self._give_back(backend.name))
         for wake in self._wakes.values():  # the backend may serve waiters of other pools too
             wake.set()
@@ -188,7 +188,7 @@ class Dispatcher:
         await asyncio.gather(*self._pumps.values(), *self._background,
                              return_exceptions=True)
         if self.ledger is not None:
-            for name, count in self._spares.take_all().items():
+            for name, count in self.spares.take_all().items():
                 await self._give_back(name, count)
             await self.ledger.close()
 
@@ -212,7 +212,7 @@ class Dispatcher:
         most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, pool.slots())
         if self._shared:
             if (want.need == 1 and preferred and not ticket.headroom
-                    and self._spares.use(preferred[0])):
+                    and self.spares.use(preferred[0])):
                 return preferred[:1]  # kept from an earlier request (no headroom to keep)
             waiter.member = self.ledger.member()
             if ranking.patience_s > 0 and want.need == 1 and not ticket.keep_free(pool.slots()):
@@ -248,7 +248,7 @@ class Dispatcher:
         reached (this worker counts on its own then)."""
         assert self.ledger is not None
         ticket, first = waiter.ticket, offered[0]
-        wanted = self._spares.wanted(first) if spare and not self._waiting() else 0
+        wanted = self.spares.wanted(first) if spare and not self._waiting() else 0
         call = asyncio.ensure_future(self.ledger.take(
             pool.key, ticket.priority, ticket.higher, ticket.account, _offer(offered),
             member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
@@ -256,9 +256,9 @@ class Dispatcher:
         try:
             got = await asyncio.shield(call)
             if got.spare:
-                self._spares.granted(first, got.spare)
+                self.spares.granted(first, got.spare)
             elif got.ahead or not got.backends:  # someone waits, or will: none kept
-                self._spares.give_back_all()
+                self.spares.give_back_all()
             return got
         except RedisError:
             self._shared = False

@@ -50,6 +50,10 @@ class Spares:
         self._until: dict[str, float] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
 
+    def kept(self, name: str) -> int:
+        """Spares of backend `name` kept now."""
+        return self._kept.get(name, 0)
+
     def wanted(self, backend: Backend) -> int:
         """How many more spares of `backend` the worker may keep."""
         return max(0, most_kept(backend.spec.max_concurrency) - self._kept.get(backend.name, 0))

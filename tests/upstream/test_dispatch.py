@@ -108,7 +108,7 @@ async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
                 break
             await asyncio.sleep(0.01)
     assert view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}
-    assert view["data"][0]["slots"] == {"max": 1, "in_use": 1}
+    assert view["data"][0]["slots"] == {"max": 1, "in_use": 1, "spare": 0}
     first_max = asyncio.create_task(chat(gw, top, "max"))
     done = await asyncio.gather(*burst, first_max)
     assert [status for status, _, _ in done] == [200] * 7, done[0]

@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
@@ -166,11 +167,13 @@ async def test_requests_make_no_ledger_call_while_the_pool_is_far_from_full(
 
 
 async def test_a_request_queued_in_another_gateway_gets_the_slots_kept_spare(
-        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine of 16 slots that queues nothing (a 17th request would be refused by it): one
     gateway keeps a slot spare after its short request, while the other sends 16 long ones at
     once; the 16th waits for the spare, gets it when its lease ends, and the engine never sees
     17."""
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "ops")
     sim = await simulator(tokens_per_s=100, max_concurrency=16, max_queued=16)
     spec = {"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
             "models": [MODEL], "max_concurrency": 16}
@@ -180,6 +183,9 @@ async def test_a_request_queued_in_another_gateway_gets_the_slots_kept_spare(
     first = await chat(keeper, key, "first", tokens=1)
     assert first[0] == 200, first
     assert await held(clean_redis.url) == {"b0": 1}  # its slot, kept spare
+    async with aiohttp.ClientSession() as s, s.get(keeper.make_url("/admin/backends"),
+                                                   headers={"Authorization": "Bearer ops"}) as r:
+        assert (await r.json())["data"][0]["slots"] == {"max": 16, "in_use": 1, "spare": 1}
     done = await asyncio.gather(*(chat(other, key, f"burst {i}", tokens=40) for i in range(16)))
     assert [status for status, _ in done] == [200] * 16, done
     assert {r["outcome"] for r in await sim_requests(sim)} == {"completed"}

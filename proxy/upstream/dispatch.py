@@ -151,12 +151,10 @@ class Dispatcher:
 
     async def in_flight(self) -> dict[str, int] | None:
         """Slots in use per backend, fleet-wide; None without the shared ledger."""
-        if self.ledger is None or not self._shared:
-            return None
-        try:
-            return await self.ledger.in_flight()
-        except RedisError:
-            return None
+        if self.ledger is not None and self._shared:
+            with contextlib.suppress(RedisError):
+                return await self.ledger.in_flight()
+        return None
 
     def waiting(self) -> dict[str, dict[str, int]]:
         """Waiters in this worker, by pool and tier (for /admin/backends)."""
@@ -331,6 +329,8 @@ class Dispatcher:
         got = done.result()
         taken = _named(preferred, got.backends)
         if taken:
+            if got.spare:  # spares nobody heard of: back at once
+                self._spawn(self._give_back(taken[0].name, got.spare))
             for backend in taken:
                 self.release(pool, backend, 0.0)
         elif got.tag is not None:

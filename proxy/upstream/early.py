@@ -35,5 +35,8 @@ class Early:
         return cls(pool, None, taken)
 
     async def take(self) -> Backend:
+        # Used once it is ours: a request cancelled while the take lands (the task done, its
+        # waiter not yet woken) leaves it unused, for `forget` to give back.
+        backend = await self.task
         self.used = True
-        return await self.task
+        return backend

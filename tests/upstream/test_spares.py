@@ -6,6 +6,7 @@ queued in another gateway gets them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -190,3 +191,31 @@ async def test_a_request_queued_in_another_gateway_gets_the_slots_kept_spare(
     assert [status for status, _ in done] == [200] * 16, done
     assert {r["outcome"] for r in await sim_requests(sim)} == {"completed"}
     await none_held(clean_redis.url)
+
+
+async def test_spares_never_leak_nor_overfill_the_engine_when_clients_leave_at_any_moment(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
+    """Two gateways on an engine of 32 slots that refuses a 33rd, both keeping spares: waves of
+    requests on both, some cut off at every point (while admitted, while taking a slot, while
+    streaming), some running to the end. The engine never refuses one, every slot (spares
+    too) is back in the ledger soon after, and both gateways still serve."""
+    sim = await simulator(tokens_per_s=200, max_concurrency=32, max_queued=32,
+                          default_completion_tokens=8)
+    spec = {"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+            "models": [MODEL], "max_concurrency": 32}
+    gateways = [await gateway(spec, policies={"tiers.toml": TIERS}) for _ in range(2)]
+    key = await basic_key(clean_redis.url, "acct-waves")
+
+    async def cut(gw: TestServer, text: str, after_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(after_s):
+                await chat(gw, key, text)
+
+    for wave, cut_s in enumerate((0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)):
+        tries = [cut(gateways[i % 2], f"wave {wave} cut {i}", cut_s) for i in range(12)]
+        tries += [cut(gateways[i % 2], f"wave {wave} whole {i}", 30) for i in range(12)]
+        await asyncio.gather(*tries)
+    await none_held(clean_redis.url)
+    assert {r["outcome"] for r in await sim_requests(sim)} <= {"completed", "cancelled"}
+    for gw in gateways:
+        assert (await chat(gw, key, "after"))[0] == 200

@@ -207,13 +207,13 @@ class Dispatcher:
             self._started.set()
             with contextlib.suppress(RedisError):
                 await self.ledger.beat()
-        most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, pool.slots())
+        if (self._shared and want.need == 1 and not ticket.headroom
+                and self.spares.use(preferred[0])):
+            return preferred[:1]  # kept from an earlier request (no headroom to keep)
+        most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, slots := pool.slots())
         if self._shared:
-            if (want.need == 1 and preferred and not ticket.headroom
-                    and self.spares.use(preferred[0])):
-                return preferred[:1]  # kept from an earlier request (no headroom to keep)
             waiter.member = self.ledger.member()
-            if ranking.patience_s > 0 and want.need == 1 and not ticket.keep_free(pool.slots()):
+            if ranking.patience_s > 0 and want.need == 1 and not ticket.keep_free(slots):
                 held = await self._holder(pool, waiter, ranking)
                 if held is not None:
                     return held

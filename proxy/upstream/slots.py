@@ -111,8 +111,8 @@ if ahead == 0 and room then
     redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)  -- turns now or past: like new
     redis.call('PEXPIRE', KEYS[4], 600000)  -- an idle pool's turns are forgotten (10 min)
     -- Spares on the first backend, while at least half of the pool's slots stay free.
-    local spare = tonumber(ARGV[11])
-    if spare > 0 and found[1] == ARGV[12] then
+    local spare = 0
+    if tonumber(ARGV[11]) > 0 and found[1] == ARGV[12] then
       local slots, used = 0, 0
       for i = 12, #ARGV, 2 do
         local cap = tonumber(ARGV[i + 1])
@@ -120,15 +120,12 @@ if ahead == 0 and room then
         used = used + math.min(cap, tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
       end
       local first = tonumber(ARGV[13]) - tonumber(redis.call('HGET', KEYS[1], ARGV[12]))
-      spare = math.min(spare, first, slots - used - math.ceil(slots / 2))
+      spare = math.max(0, math.min(tonumber(ARGV[11]), first,
+                                   slots - used - math.ceil(slots / 2)))
       if spare > 0 then
         redis.call('HINCRBY', KEYS[1], ARGV[12], spare)
         redis.call('HINCRBY', KEYS[2], ARGV[12] .. '|' .. proc, spare)
-      else
-        spare = 0
       end
-    else
-      spare = 0
     end
     return {table.concat(found, '\\n'), 0, tag, spare}
   end

@@ -56,7 +56,7 @@ class Spares:
 
     def wanted(self, backend: Backend) -> int:
         """How many more spares of `backend` the worker may keep."""
-        return max(0, most_kept(backend.spec.max_concurrency) - self._kept.get(backend.name, 0))
+        return max(0, most_kept(backend.spec.max_concurrency) - self.kept(backend.name))
 
     def granted(self, backend: Backend, count: int) -> None:
         """The ledger gave `count` spares of `backend`: they, and those already kept, are

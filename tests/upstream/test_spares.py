@@ -19,27 +19,13 @@ from proxy.upstream.pool import Backend
 from proxy.upstream.slots import SlotLedger, Taken
 from proxy.upstream.spares import LEASE_S, Spares, most_kept
 from tests.support.accounts import funded_key, new_key
-from tests.support.config_files import MODEL
+from tests.support.config_files import MODEL, tiers
 from tests.support.gateway import GatewayFactory, settled
 from tests.support.redis_servers import RedisProcess
 from tests.support.upstreams import SimulatorFactory, sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
-TIERS = """
-[tiers.guest]
-requests_per_minute = 10
-families = ["chat"]
-models = { "*" = ["direct"] }
-priority = 0
-max_queue_wait_s = 2
-
-[tiers.basic]
-requests_per_minute = 10000
-families = ["chat"]
-models = { "*" = ["direct"] }
-priority = 1
-max_queue_wait_s = 30
-"""
+TIERS = tiers(basic=10_000)  # one key sends every request of a test
 
 
 def backend(name: str, slots: int) -> Backend:

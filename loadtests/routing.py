@@ -68,7 +68,11 @@ from proxy.simulators.textgen import VOCAB, prompt_tokens
 from proxy.upstream.routing import Weights
 
 PICKS = ("p2c", "engine", "prefix")  # the gateway's
-CONFIGS = (*PICKS, *routers.ROUTERS)  # and the Rust routers (issue 31)
+# "prefix" told what the engines evict by their KV-cache events (kv_events in backends.toml;
+# the simulators publish them as vLLM does): run when named in --picks.
+EVENTS = "prefix-events"
+DEFAULT_CONFIGS = (*PICKS, *routers.ROUTERS)  # and the Rust routers (issue 31)
+CONFIGS = (*DEFAULT_CONFIGS, EVENTS)
 WORKLOADS = ("starts", "sessions")
 # The figures --runs N reports as mean and min-max.
 SPREAD = ("ttft_p50_ms", "ttft_p99_ms", "latency_p99_ms", "completed_per_s",
@@ -100,7 +104,10 @@ class Engines:
     block_size: int = 16
     speeds: tuple[float, ...] = (1.0, 1.0, 0.33)
 
-    def args(self, port: int, speed: float) -> list[str]:
+    def args(self, port: int, speed: float, events_port: int | None = None) -> list[str]:
+        events = ["--kv-events-config", orjson.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}"}).decode()] if events_port else []
         return [
             sys.executable, "-m", "proxy", "simulate", "vllm", "--host", "127.0.0.1",
             "--port", str(port), "--model", MODEL, "--max-num-seqs", str(self.max_num_seqs),
@@ -110,6 +117,7 @@ class Engines:
             "--kv-cache-blocks", str(self.kv_cache_blocks),
             "--block-size", str(self.block_size), "--speed", f"{speed:g}",
             "--enable-prompt-tokens-details",  # what it found cached, in each answer's usage
+            *events,
         ]
 
     def capacity(self, speed: float, uncached_tokens: float) -> float:
@@ -425,9 +433,10 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
             return server
 
         sims: list[tuple[Server, str]] = []
+        events = [free_port() if pick == EVENTS else None for _ in args.engines.speeds]
         for i, speed in enumerate(args.engines.speeds):
             port = free_port()
-            sims.append((start(replica_name(i), args.engines.args(port, speed)),
+            sims.append((start(replica_name(i), args.engines.args(port, speed, events[i])),
                          f"http://127.0.0.1:{port}"))
         for server, url in sims:
             wait_ready(f"{url}/health", server=server)
@@ -444,11 +453,12 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
         config = write_gateway_config(
             workdir / "config", port=port,
             backends=[Backend(replica_name(i), "vllm", url, MODEL, args.weights[i],
-                              args.engines.max_num_seqs)
+                              args.engines.max_num_seqs,
+                              f"tcp://127.0.0.1:{events[i]}" if events[i] else None)
                       for i, (_, url) in enumerate(sims)],
             # Routing, not the ledger's fsync, is measured: keep the disk off the path.
             ledger_fsync="everysec",
-            routing={"pick": pick, **args.score})
+            routing={"pick": "prefix" if pick == EVENTS else pick, **args.score})
         gateway = start("gateway", gateway_args(config, port, workers=WORKERS))
         wait_ready(f"http://127.0.0.1:{port}/readyz", server=gateway)
         gateway_worker_pids(gateway.pid, WORKERS)
@@ -646,9 +656,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.8,
                    help="offered load as a share of the pool's capacity (default 0.8)")
     p.add_argument("--rate", type=float, help="requests/s, instead of --load x capacity")
-    p.add_argument("--picks", default=",".join(CONFIGS), metavar="LIST",
-                   help=f"comma-separated configs to run (default {','.join(CONFIGS)}; a "
-                   "router that is not installed is skipped, unless --routers)")
+    p.add_argument("--picks", default=",".join(DEFAULT_CONFIGS), metavar="LIST",
+                   help=f"comma-separated configs to run (default {','.join(DEFAULT_CONFIGS)}; "
+                   f"a router that is not installed is skipped, unless --routers; {EVENTS}: "
+                   "prefix, told what the engines evict by their KV-cache events)")
     p.add_argument("--routers", action="store_true",
                    help="require the routers among --picks to be installed (exit 2 if not)")
     p.add_argument("--workload", choices=WORKLOADS, default="starts", dest="workload_name",

@@ -180,6 +180,7 @@ class Backend:
     model: str
     weight: int = 1  # backends.toml `weight`: picks favour it in proportion
     max_concurrency: int = 100_000  # its slots (the engine's batch); default: never binds
+    kv_events: str | None = None  # where its engine publishes its KV-cache events
 
 
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
@@ -210,7 +211,8 @@ def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend]
         text += ("\n[[backends]]\n"
                  f"name = {q(b.name)}\nkind = {q(b.kind)}\nurl = {q(b.url)}\n"
                  f"models = [{q(b.model)}]\nmax_concurrency = {b.max_concurrency}\n"
-                 + (f"weight = {b.weight}\n" if b.weight != 1 else ""))
+                 + (f"weight = {b.weight}\n" if b.weight != 1 else "")
+                 + (f"kv_events = {q(b.kv_events)}\n" if b.kv_events else ""))
     (folder / "backends.toml").write_text(text)
     policies = folder / "policies"
     policies.mkdir(exist_ok=True)

@@ -47,6 +47,7 @@ from proxy.appkeys import (
     FETCHER,
     KEEPER,
     KEYSTORE,
+    KV_EVENTS,
     LEDGER,
     LIVE,
     MEDIA,
@@ -102,6 +103,7 @@ from proxy.upstream.client import Upstreams
 from proxy.upstream.dispatch import Dispatcher
 from proxy.upstream.fetch import MediaFetcher, rules_from
 from proxy.upstream.fleet_state import fleet_key, signals_key
+from proxy.upstream.kv_events import KvEvents
 from proxy.upstream.prefix_share import PrefixShare
 from proxy.upstream.prober import FleetSync, Prober, probe_session
 from proxy.upstream.router import Router
@@ -338,6 +340,10 @@ def _upstreams_ctx(resolver: AbstractResolver | None
         for pool in app[ROUTER].prefix_pools:
             pool.on_placed = share.placed
         following = asyncio.create_task(share.run()) if app[ROUTER].prefix_pools else None
+        # What the engines that publish it say their KV caches hold (upstream.kv_events).
+        app[KV_EVENTS] = KvEvents(list({b.name: b for pool in app[ROUTER].prefix_pools
+                                         for b in pool.backends}.values()))
+        app[KV_EVENTS].start()
         app[DRAIN] = Drain(app[UPSTREAMS].abort_open)
         # Each fetch follows the live policy (MediaFetcher.follow); this is the first.
         app[FETCHER] = MediaFetcher(rules_from(app[CONFIG].policies.requests.fetch),
@@ -348,6 +354,7 @@ def _upstreams_ctx(resolver: AbstractResolver | None
         if following is not None:
             await stop_task(following)
         await share.close()
+        await app[KV_EVENTS].close()
         await app[UPSTREAMS].dispatcher.close()
         await app[UPSTREAMS].close()
 

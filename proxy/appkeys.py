@@ -28,6 +28,7 @@ from proxy.styles.base import ChatStyle
 from proxy.tasks.store import TaskStore
 from proxy.upstream.client import Upstreams
 from proxy.upstream.fetch import MediaFetcher
+from proxy.upstream.kv_events import KvEvents
 from proxy.upstream.router import Router
 
 if TYPE_CHECKING:  # imported only when [telemetry] turns tracing on (the SDK is heavy)
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # imported only when [telemetry] turns tracing on (the SDK is
 CONFIG = web.AppKey("config", Config)
 ROUTER = web.AppKey("router", Router)
 UPSTREAMS = web.AppKey("upstreams", Upstreams)
+KV_EVENTS = web.AppKey("kv_events", KvEvents)  # the engines' KV-cache events, read
 REDIS: web.AppKey[Store] = web.AppKey("redis")
 # The rate-limit counters' server, for /readyz (the same client as REDIS when they share one).
 KEYSTORE = web.AppKey("keystore", KeyStore)

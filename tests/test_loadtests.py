@@ -96,17 +96,18 @@ def test_paired_run_measures_direct_base_and_this_without_errors(tmp_path: Path)
 
 def test_routing_quick_run_serves_every_pick_without_errors(tmp_path: Path) -> None:
     """`python -m loadtests.routing --quick`: three simulators and a two-worker gateway per pick;
-    every pick streams its requests without an error and the engines' counters were read."""
+    every pick streams its requests without an error and the engines' counters were read.
+    `prefix` runs as `prefix-events`: the same pick, reading the simulators' KV-cache events."""
     out = tmp_path / "routing.json"
     result = subprocess.run(
         [sys.executable, "-m", "loadtests.routing", "--quick", "--json", str(out),
-         "--picks", "p2c,engine,prefix",  # the routers, where installed: tests/loadtests/
+         "--picks", "p2c,engine,prefix-events",  # the routers, where installed: tests/loadtests/
          "--score", "running_weight=0.25"],  # given to the gateway's [routing]: it must load
         cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert list(figures["picks"]) == ["p2c", "engine", "prefix"]
+    assert list(figures["picks"]) == ["p2c", "engine", "prefix-events"]
     for pick, summary in figures["picks"].items():
         assert summary["errors"] == 0, (pick, summary["error_kinds"])
         assert summary["requests"] > 0 and summary["ttft_p50_ms"] > 0, pick

@@ -41,7 +41,7 @@ from aiohttp import web
 from redis.exceptions import RedisError, ResponseError
 
 from proxy.api.account import budget_view
-from proxy.appkeys import KEYSTORE, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
+from proxy.appkeys import KEYSTORE, KV_EVENTS, LEDGER, LIVE, REDIS, ROUTER, UPSTREAMS
 from proxy.credits.alerts import Endpoint
 from proxy.credits.budgets import budgets
 from proxy.credits.idempotency import HEADER, reused, top_up_once
@@ -355,6 +355,7 @@ async def list_backends(request: web.Request) -> web.Response:
     backends = request.app[ROUTER].backends
     dispatcher = request.app[UPSTREAMS].dispatcher
     in_use = await dispatcher.in_flight()
+    followers = request.app[KV_EVENTS].followers  # what each engine said of its KV cache
     # The gateway's queue: requests waiting for a slot in this worker, by pool and tier.
     # The "prefix" pools' picture of their replicas' caches, in this worker.
     prefix = {pool.key: pool.index.view() for pool in request.app[ROUTER].prefix_pools
@@ -364,7 +365,9 @@ async def list_backends(request: web.Request) -> web.Response:
                   "data": [{**backend_view(b), "slots": {
                       "max": b.spec.max_concurrency,
                       "in_use": None if in_use is None else in_use.get(b.name, 0),
-                      "spare": dispatcher.spares.kept(b.name)}}
+                      "spare": dispatcher.spares.kept(b.name)},
+                      **({"kv_events": events.view()}
+                         if (events := followers.get(b.name)) is not None else {})}
                       for b in backends]})
 
 

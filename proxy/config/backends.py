@@ -107,6 +107,10 @@ class BackendSpec(Section, frozen=True):
     # priority (tiers.toml `priority`, sent negated: vLLM runs lower values first), so a
     # higher tier also goes first in the engine's own queue. Off: vLLM refuses any priority.
     priority_scheduling: bool = False
+    # kind "vllm" started with `--kv-events-config` (its ZMQ publisher): where to read its
+    # KV-cache events, "tcp://host:port" (the engine binds tcp://*:port). A "prefix" pool then
+    # forgets a prompt on this replica when the engine evicts it (proxy.upstream.kv_blocks).
+    kv_events: Annotated[str, msgspec.Meta(pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")] | None = None
     # Client headers passed upstream as they are: exact names or prefixes ending in `*`
     # (the simulators read `x-sim-*` fault headers). Nothing else from the client goes upstream.
     forward_headers: list[NonEmpty] = []

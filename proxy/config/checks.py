@@ -46,6 +46,11 @@ def check_backends(file: BackendsFile) -> list[str]:
         if backend.health_path and not backend.health_path.startswith("/"):
             problems.append(f"{where}.health_path: must start with '/' (or be \"\" for none)")
         problems.extend(_check_supervised(backend, where))
+        if backend.kv_events is not None and backend.kind != "vllm":
+            problems.append(f"{where}.kv_events: only vLLM publishes KV-cache events")
+        elif backend.kv_events is not None and backend.kv_events.startswith("tcp://*:"):
+            problems.append(f"{where}.kv_events: name the engine's host (tcp://*:port is "
+                            "what the engine binds; the gateway connects to it)")
     problems.extend(_check_fleet_sections(file))
     return problems
 

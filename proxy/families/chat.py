@@ -26,6 +26,7 @@ from proxy.styles.base import ChatCall, ChatStyle
 from proxy.upstream import http1
 from proxy.upstream.client import read_answer
 from proxy.upstream.early import Early
+from proxy.upstream.kv_blocks import session_of
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefixes import SESSION_HEADER, Prompt, prompt_of
 from proxy.upstream.relay import relay_stream, send_whole
@@ -102,6 +103,13 @@ def engine_priority(ctx: Ctx, backend: Backend) -> int | None:
     return -ctx.ticket.priority
 
 
+def engine_session(backend: Backend, prompt: Prompt | None) -> str | None:
+    """The prompt's name for an engine that reports which session stored each KV block."""
+    if backend.kv is None or prompt is None or not prompt.blocks:
+        return None
+    return session_of(prompt)
+
+
 def affinity(pool: Pool, call: ChatCall, headers: Mapping[str, str]) -> Prompt | None:
     """The prompt's blocks, for a "prefix" pool to match (hashed only where it is used)."""
     if pool.index is None:
@@ -121,9 +129,11 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
         "X-Request-Id": ctx.request_id,
     }
 
+    prompt = early.prompt if early is not None else affinity(pool, call, ctx.client_headers)
+
     def body_for(backend: Backend) -> bytes:
         return wire.upstream_body(call.openai_body, call.stream, backend.spec.kind, cap,
-                                  engine_priority(ctx, backend))
+                                  engine_priority(ctx, backend), engine_session(backend, prompt))
 
     served: list[Backend] = []
 
@@ -149,7 +159,6 @@ async def forward(request: web.Request, ctx: Ctx, style: ChatStyle, call: ChatCa
         return await send_whole(request, web.Response(
             body=body, content_type="application/json", headers=headers), result)
 
-    prompt = early.prompt if early is not None else affinity(pool, call, ctx.client_headers)
     response = await ctx.upstreams.call(pool, CHAT_UPSTREAM_PATH, body_for, upstream_headers,
                                         ctx.client_headers, relay, prompt, ctx.ticket, early)
     if prompt is not None and pool.index is not None and served:
@@ -181,6 +190,8 @@ async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
     headers = {"Content-Type": "application/json", "Accept": "application/json",
                "X-Request-Id": ctx.request_id}
 
+    prompt = affinity(pool, call, ctx.client_headers)
+
     async def use(backend: Backend, upstream: http1.Response) -> dict[str, Any]:
         return wire.fix_response(await read_completion(upstream), backend.spec.kind,
                                  call.model)
@@ -188,9 +199,9 @@ async def fetch_completion(ctx: Ctx, call: ChatCall, cap: int, pool: Pool,
     return await ctx.upstreams.call(
         pool, CHAT_UPSTREAM_PATH,
         lambda backend: wire.upstream_body(body, False, backend.spec.kind, cap,
-                                           engine_priority(ctx, backend)), headers,
-        ctx.client_headers, use, affinity(pool, call, ctx.client_headers), ctx.ticket,
-        ctx.early)
+                                           engine_priority(ctx, backend),
+                                           engine_session(backend, prompt)), headers,
+        ctx.client_headers, use, prompt, ctx.ticket, ctx.early)
 
 
 async def read_completion(upstream: http1.Response) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.simulators import KINDS, SimConfig, build_app
+from proxy.simulators import KINDS, SimConfig, build_app, kv_events
+from proxy.simulators.config import KvEventsConfig
 from proxy.simulators.state import STATE
 
 # The chat kinds listen where the real servers do. The media kinds' ports are this project's
@@ -106,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="KV-cache block: prompts that begin alike share cached blocks")
     vllm.add_argument("--runner", choices=("generate", "pooling"), default="generate",
                       help="pooling: an embedding model (/v1/embeddings; chat refused)")
+    vllm.add_argument("--kv-events-config", type=_kv_events_config, default=None,
+                      metavar="JSON",
+                      help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_'
+                      'events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": '
+                      '"kv"}\' (a ZMQ PUB socket, bound)')
     embeddings = parser.add_argument_group("tei, vllm --runner pooling")
     embeddings.add_argument("--embedding-size", type=_positive_int, default=384,
                             help="the model's vector length")
@@ -155,6 +161,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _kv_events_config(text: str) -> KvEventsConfig | None:
+    try:
+        return kv_events.parse_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _kv_cache_blocks(args: argparse.Namespace) -> int:
     if args.max_batch_total_tokens is None:
         return int(args.kv_cache_blocks)
@@ -194,6 +207,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         max_input_length=args.max_input_length,
         max_client_batch_size=args.max_client_batch_size,
         runner=args.runner,
+        kv_events=args.kv_events_config,
     )
 
 

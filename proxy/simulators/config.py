@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class KvEventsConfig(NamedTuple):
+    """vLLM's `--kv-events-config` when it publishes (`kv_events.parse_config`)."""
+
+    endpoint: str  # the ZMQ PUB socket's, bound
+    topic: str = ""
+    hwm: int = 100_000  # messages queued for a slow subscriber before ZMQ drops them
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class SimConfig:
     max_input_length: int = 512
     max_client_batch_size: int = 32
     runner: str = "generate"  # vLLM --runner: "pooling" serves /v1/embeddings, not chat
+    kv_events: KvEventsConfig | None = None  # vLLM: publish KV-cache events (None: don't)
 
     @property
     def batch_size(self) -> int:

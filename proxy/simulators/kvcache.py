@@ -5,7 +5,9 @@ over every token before it, so two prompts that begin alike (a system prompt and
 turn) share the blocks of their common beginning, and only those. Blocks a running request
 holds are never evicted; blocks nobody holds stay cached until room is needed and then go in
 LRU order, a request's last blocks before its first (vLLM frees them in that order), so a
-shared beginning outlives the different endings. Pure: no I/O.
+shared beginning outlives the different endings. What the cache stored and forgot, as vLLM's
+KV-cache events tell it (`Stored`, `Removed`), is the scheduler's to collect; `kv_events` puts
+it on the wire. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
+
+_LOW_64 = (1 << 64) - 1
 
 
 def block_hashes(tokens: Sequence[str], block_size: int, blocks: int) -> list[bytes]:
@@ -25,6 +30,31 @@ def block_hashes(tokens: Sequence[str], block_size: int, blocks: int) -> list[by
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         hashes.append(parent)
     return hashes
+
+
+def external_hash(block: bytes) -> int:
+    """A block's hash as KV-cache events name it: vLLM's `maybe_convert_block_hash` (the hash
+    as a big-endian integer, its low 64 bits)."""
+    return int.from_bytes(block, "big") & _LOW_64
+
+
+class Stored(NamedTuple):
+    """A request's blocks cached in one step (vLLM's BlockStored): a chain continuing `parent`
+    (None: from the prompt's first block), over `tokens` (theirs, a block's worth each)."""
+
+    hashes: Sequence[bytes]
+    parent: bytes | None
+    tokens: Sequence[str]
+    session_id: str | None
+
+
+class Removed(NamedTuple):
+    """A block evicted from the cache (vLLM's BlockRemoved, one a block)."""
+
+    block: bytes
+
+
+CacheEvent = Stored | Removed
 
 
 def hittable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -86,12 +116,11 @@ class BlockPool:
                 del self._held[block]
                 self._free[block] = None
 
-    def evict(self, private: int) -> int:
+    def forget(self, private: int) -> list[bytes]:
         """Forget least recently used unheld blocks until they fit beside the held ones and
-        `private` others (running requests' unshared blocks); how many were forgotten."""
+        `private` others (running requests' unshared blocks); those forgotten, in that order."""
         room = self.capacity - len(self._held) - private
-        evicted = 0
+        forgotten: list[bytes] = []
         while self._free and len(self._free) > room:
-            self._free.popitem(last=False)
-            evicted += 1
-        return evicted
+            forgotten.append(self._free.popitem(last=False)[0])
+        return forgotten

@@ -8,6 +8,10 @@ they share the engine's compute; decoding runs in parallel at `tokens_per_s` per
 whatever the batch size. So time to first token grows with the queue ahead of a request and
 with its uncached prompt, and a prefix-cache hit shortens it. `speed` divides every latency.
 Nothing is preempted: a batch that outgrows the cache while decoding only fills it up.
+
+With `on_events` set (vLLM's `--kv-events-config`), each scheduling step that changed the
+cache hands it what changed, as vLLM's engine publishes one batch a step: for each request
+started, the blocks evicted to make room and then the blocks it computed and cached.
 """
 
 from __future__ import annotations
@@ -15,11 +19,36 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.simulators.config import SimConfig
-from proxy.simulators.kvcache import BlockPool, block_hashes, hittable_blocks
+from proxy.simulators.kvcache import (
+    BlockPool,
+    CacheEvent,
+    Removed,
+    Stored,
+    block_hashes,
+    hittable_blocks,
+)
+
+
+class EventLabels(NamedTuple):
+    """What vLLM's KV-cache events tell of a request beyond its blocks: its session, and
+    whether the blocks it found cached are reported too (vLLM's `kv_cache_report_mode`
+    "full"; by default only the blocks a request computes are)."""
+
+    session_id: str | None = None
+    report_reused: bool = False
+
+
+NO_LABELS = EventLabels()
+# Set by the server's handler before it queues the request; `Scheduler.sequence` reads it in
+# the same task. A context variable, so the request path the servers share carries no
+# vLLM-only field.
+EVENT_LABELS: ContextVar[EventLabels] = ContextVar("kv_event_labels", default=NO_LABELS)
 
 
 @dataclass(eq=False, slots=True)
@@ -35,6 +64,8 @@ class Seq:
     first_token: float = math.inf  # loop time its first token is due, once scheduled
     interval: float = 0.0  # seconds between its tokens
     priority: int = 0  # with --scheduling-policy priority: lower waits less (ties: arrival)
+    tokens: Sequence[str] = ()  # the prompt, for the KV-cache events' token ids
+    labels: EventLabels = NO_LABELS
 
     def private_blocks(self, block_size: int, now: float = -math.inf) -> int:
         """Blocks no other request shares: each choice's prompt tail and its output so far
@@ -77,6 +108,9 @@ class Scheduler:
         # even for that, neither admission nor eviction needs the exact count (O(batch)).
         self._peak_private = 0
         self._reserved = 0  # the running batch's token budgets (TGI)
+        # vLLM's KV-cache events: called with each step's, if set (and only then collected).
+        self.on_events: Callable[[list[CacheEvent]], None] | None = None
+        self._events: list[CacheEvent] = []
 
     @property
     def in_flight(self) -> int:
@@ -92,7 +126,8 @@ class Scheduler:
         size = len(prompt)
         hashes = block_hashes(prompt, self.block_size, hittable_blocks(size, self.block_size))
         lengths = tuple(completions) or (0,)
-        return Seq(size, hashes, lengths, size + (max(lengths) if cap is None else cap))
+        return Seq(size, hashes, lengths, size + (max(lengths) if cap is None else cap),
+                   tokens=prompt, labels=EVENT_LABELS.get())
 
     def kv_usage(self) -> float:
         """Blocks running requests hold, as a share of the cache (vLLM's 0..1 gauge)."""
@@ -151,6 +186,9 @@ class Scheduler:
             self.waiting.popleft()
             self._start(seq, now)
             ready.set_result(None)
+        if self._events and self.on_events is not None:
+            events, self._events = self._events, []
+            self.on_events(events)
 
     def _fits(self, seq: Seq, now: float) -> bool:
         if self.reserve_whole:
@@ -174,8 +212,25 @@ class Scheduler:
         self.running.add(seq)
         self._peak_private += seq.peak_private_blocks(self.block_size)
         self._reserved += seq.budget
+        forgotten: list[bytes] = []
         if self.pool.cached + self._peak_private > self.pool.capacity:
-            self.pool.evict(self._private(now))
+            forgotten = self.pool.forget(self._private(now))
+        if self.on_events is not None:
+            self._events += self._cache_events(seq, hit, forgotten)
+
+    def _cache_events(self, seq: Seq, hit: int, forgotten: Sequence[bytes]) -> list[CacheEvent]:
+        """What starting `seq` did to the cache, in vLLM's order: the reused blocks (if it asked
+        for them), the blocks evicted for room, then the blocks it computed (a chain after the
+        last block it hit)."""
+        size, hashes, labels = self.block_size, seq.hashes, seq.labels
+        events: list[CacheEvent] = []
+        if labels.report_reused and hit:
+            events.append(Stored(hashes[:hit], None, seq.tokens[:hit * size], labels.session_id))
+        events += (Removed(block) for block in forgotten)
+        if hit < len(hashes):
+            events.append(Stored(hashes[hit:], hashes[hit - 1] if hit else None,
+                                 seq.tokens[hit * size:len(hashes) * size], labels.session_id))
+        return events
 
     def _private(self, now: float) -> int:
         return sum(seq.private_blocks(self.block_size, now) for seq in self.running)

@@ -10,7 +10,9 @@ The context (`--max-model-len`) bounds `max_tokens` (400 beyond it) and the prom
 a request's completion is cut where the context ends. `POST /_sim/engine-death` is `kill -9`
 of the EngineCore: /health 503, requests 500 `EngineDeadError`, live streams end with the
 error event, and the port closes (at the first request that meets the dead engine, or after
-`death_close_s`), as the real API server exits.
+`death_close_s`), as the real API server exits. With `--kv-events-config` it publishes
+vLLM's KV-cache events (`kv_events`): a request's `session_id` (body, `X-Session-ID` header or
+`vllm_xargs`) is carried into them and, as in vLLM, is no part of a block's hash.
 
 `tests/real_engine/test_fidelity.py` compares this simulator with a real vLLM 0.32 (CPU build)
 request by request. Differences kept on purpose:
@@ -41,6 +43,13 @@ request by request. Differences kept on purpose:
 - `POST /tokenize` counts and names tokens by the simulator's rule (`textgen`): a `prompt`'s
   tokens, or `messages` framed as a chat request's prompt (its `count` is that request's
   `prompt_tokens`); ids are `textgen.token_id`'s stable fakes, `token_strs` is null.
+- KV-cache events (`kv_events`): the blocks stored are the prompt's cacheable ones above, so
+  none for an answer's blocks (vLLM sends a BlockStored, answer tokens included, whenever
+  decoding fills a block) and one fewer than vLLM when a prompt ends on a block boundary
+  (vLLM caches that block too, though the same prompt cannot hit it). Token ids are
+  `textgen.token_id`'s fakes. Blocks are evicted in vLLM's order (least recently used, a
+  request's last blocks first), but when the simulator's own accounting runs out of room
+  rather than when vLLM's allocator reuses a block.
 - Not served: `/v1/completions`, `/detokenize`, `/load`,
   `stream_options.continuous_usage_stats`, `--enable-request-id-headers`.
 """
@@ -50,13 +59,13 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import orjson
 from aiohttp import web
 
 from proxy.simulators import vllm_embed
-from proxy.simulators.bodies import json_response
+from proxy.simulators.bodies import json_object, json_response, opt
 from proxy.simulators.engine import (
     CONTENT_TYPE,
     FINISH_REASONS,
@@ -66,6 +75,7 @@ from proxy.simulators.engine import (
 )
 from proxy.simulators.errors import ENGINE_DEAD, ENGINE_DEAD_TYPE, BadRequest, HttpError
 from proxy.simulators.exchange import Exchange
+from proxy.simulators.kv_events import Publisher
 from proxy.simulators.openai_chat import (
     ChatRequest,
     Dialect,
@@ -75,6 +85,7 @@ from proxy.simulators.openai_chat import (
     error_payloads,
 )
 from proxy.simulators.runtime import inference
+from proxy.simulators.scheduler import EVENT_LABELS, EventLabels
 from proxy.simulators.state import STATE
 from proxy.simulators.textgen import (
     EOS,
@@ -99,6 +110,7 @@ def _headers(_ex: Exchange, generated: int | None) -> Mapping[str, str]:
 def check(ex: Exchange, req: ChatRequest) -> int | None:
     """vLLM's checks before it queues a request; the completion limit within the context."""
     config, state = ex.config, ex.state
+    EVENT_LABELS.set(event_labels(ex))  # the body is read first (a bad session_id: 400)
     context = config.max_model_len
     if req.max_tokens is not None and req.max_tokens > context:
         raise BadRequest(f"{req.cap_field}={req.max_tokens} cannot be greater than "
@@ -118,6 +130,20 @@ def check(ex: Exchange, req: ChatRequest) -> int | None:
         raise HttpError(503, BUSY, "Service Unavailable")
     room = context - ex.prompt_tokens
     return room if req.max_tokens is None else min(req.max_tokens, room)
+
+
+def event_labels(ex: Exchange) -> EventLabels:
+    """What the request's KV-cache events carry, as vLLM 0.32 takes it: the session is the
+    body's `session_id` (a string or null, else 400), else the `X-Session-ID` header, else
+    `vllm_xargs.session_id`; `vllm_xargs.kv_cache_report_mode` "full" has the blocks it found
+    cached reported too."""
+    body = json_object(ex.record.body)
+    xargs = body.get("vllm_xargs")
+    xargs = xargs if isinstance(xargs, dict) else {}
+    session = opt(body, "session_id", str) or ex.request.headers.get("X-Session-ID") or None
+    if session is None and isinstance(xargs.get("session_id"), str):
+        session = xargs["session_id"] or None
+    return EventLabels(session, xargs.get("kv_cache_report_mode") == "full")
 
 
 def usage_extra(ex: Exchange, whole: bool) -> JsonObj:
@@ -328,6 +354,19 @@ async def tokenize(request: web.Request) -> web.Response:
                           "tokens": [token_id(t) for t in tokens], "token_strs": None})
 
 
+KV_EVENTS = web.AppKey("kv_events", Publisher)
+
+
+async def _publish(app: web.Application) -> AsyncIterator[None]:
+    """The KV-cache events' socket, open while the server runs."""
+    publisher, engine = app[KV_EVENTS], app[STATE].engine
+    publisher.open()
+    engine.on_events = publisher.publish
+    yield
+    engine.on_events = None
+    publisher.close()
+
+
 async def engine_death(request: web.Request) -> web.Response:
     request.app[STATE].die()
     return web.Response(status=204)
@@ -340,6 +379,10 @@ def add_routes(app: web.Application) -> None:
         app.router.add_post("/v1/completions", vllm_embed.not_routed)
     else:
         app.router.add_post("/v1/chat/completions", inference(_chat))
+        config = app[STATE].config
+        if config.kv_events is not None:
+            app[KV_EVENTS] = Publisher(config.kv_events, config.block_size)
+            app.cleanup_ctx.append(_publish)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)

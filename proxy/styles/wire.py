@@ -49,7 +49,7 @@ class UpstreamStreamError(Exception):
 
 
 def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int,
-                  priority: int | None = None) -> bytes:
+                  priority: int | None = None, session: str | None = None) -> bytes:
     """The JSON to POST to an OpenAI-compatible backend of `kind`.
 
     `cap` is the completion cap the credit hold was computed with: it always goes upstream,
@@ -59,13 +59,17 @@ def upstream_body(body: dict[str, Any], stream: bool, kind: str, cap: int,
 
     A client's own `priority` never goes upstream (it would jump the tier order in an engine
     that schedules by priority); `priority` is the gateway's, for a vLLM backend that does
-    (`priority_scheduling`): lower runs earlier there."""
+    (`priority_scheduling`): lower runs earlier there. `session` names the prompt for a vLLM
+    backend that publishes its KV-cache events (proxy.upstream.kv_blocks): its `session_id`
+    (a client cannot send one: the OpenAI schema refuses unknown fields)."""
     drop = GATEWAY_FIELDS if kind == "vllm" else GATEWAY_FIELDS | VLLM_ONLY_FIELDS
     out = {key: value for key, value in body.items() if value is not None and key not in drop
            and key not in _CAP_FIELDS and key != "priority"}
     out["max_completion_tokens" if kind == "openai" else "max_tokens"] = cap
     if priority is not None and kind == "vllm":
         out["priority"] = priority
+    if session is not None and kind == "vllm":
+        out["session_id"] = session
     if stream:
         options = dict(out.get("stream_options") or {})
         options["include_usage"] = True

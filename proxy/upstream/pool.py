@@ -37,6 +37,7 @@ from proxy.headers import HeaderRule
 from proxy.upstream.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 from proxy.upstream.http1 import Target
+from proxy.upstream.kv_blocks import EngineBlocks
 from proxy.upstream.prefixes import PrefixIndex, Prompt
 from proxy.upstream.routing import (
     PickKind,
@@ -80,7 +81,7 @@ class Backend:
     """One upstream server as this worker sees it: its spec, live counters and health."""
 
     __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "batch_inputs",
-                 "cache_tokens", "completion_rate", "forward", "health", "max_ejected_ratio",
+                 "cache_tokens", "completion_rate", "forward", "health", "kv", "max_ejected_ratio",
                  "max_model_len", "name", "outstanding", "peers", "prefill_until", "probed",
                  "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
 
@@ -122,6 +123,8 @@ class Backend:
         self.wake: Callable[[], None] | None = None  # set by the prober: probe this one now
         self.cache_tokens: int | None = None  # its KV cache, as its engine reports it
         self.prefill_until = 0.0  # monotonic time its prefills sent so far end (estimated)
+        # Its engine's own word on its KV cache, where it publishes one (`kv_events`).
+        self.kv = EngineBlocks(self.name) if spec.kv_events else None
 
     def probe_soon(self) -> None:
         """After a failure: have the prober look at once (nothing happens where none runs)."""
@@ -348,6 +351,8 @@ class Pool:
             work = (self.index.tokens_past(prompt, matched) * self.prefill_s_per_token
                     * slowness(backend.service_s, [b.service_s for b in self.backends]))
             backend.prefill_until = max(backend.prefill_until, now) + work
+            if backend.kv is not None:
+                backend.kv.sent(self.index, prompt)
         self.index.add(name, prompt.blocks, now)
 
     def saturation(self, now: float) -> Saturation | None:

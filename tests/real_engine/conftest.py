@@ -50,7 +50,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory, trace_backend_starting: Tr
     logs = tmp_path_factory.mktemp("real-engines")
     cores = os.cpu_count() or 1
     fleet = Engines([Replica(f"vllm-{i}", free_port(), i % cores, logs / f"vllm-{i}.log",
-                             traces_to=traces.otlp_url) for i in range(2)], logs / "prepare.log")
+                             traces_to=traces.otlp_url, events_port=free_port())
+                      for i in range(2)], logs / "prepare.log")
     if _asked_in(request.session.items, "embedder"):
         # Its ~30 s start overlaps the chat replicas' instead of adding to the run; it idles
         # (memory only) until the embedding tests, after the chat ones.

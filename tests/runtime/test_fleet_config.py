@@ -57,6 +57,12 @@ def test_supervised_backend_loads(tmp_path: Path) -> None:
         ("[gateway]\nworkers = 0\n" + SUPERVISED, "gateway.workers"),
         ('[[backends]]\nname = "x"\nkind = "tgi"\nurl = "http://h:1"\nmodels = ["m"]\n'
          'cwd = "x"\n', "backends[0]: env and cwd apply only to a backend with a command"),
+        ('[[backends]]\nname = "x"\nkind = "tgi"\nurl = "http://h:1"\nmodels = ["m"]\n'
+         'kv_events = "tcp://h:5557"\n', "backends[0].kv_events: only vLLM publishes"),
+        (SUPERVISED.replace("[[backends]]", '[[backends]]\nkv_events = "tcp://*:5557"'),
+         "backends[0].kv_events: name the engine's host"),
+        (SUPERVISED.replace("[[backends]]", '[[backends]]\nkv_events = "http://h:5557"'),
+         "backends[0].kv_events"),
     ],
 )
 def test_fleet_config_problems_are_named(tmp_path: Path, text: str, expected: str) -> None:

@@ -138,9 +138,9 @@ def test_the_pool_forgets_unheld_blocks_least_recently_used_and_endings_first() 
     pool.release([b"b1", b"b2"])
     assert (pool.held, pool.cached) == (0, 4)
     assert pool.acquire([b"a1", b"c2"]) == 1  # a shared beginning hits; a1 is used again
-    assert pool.evict(private=1) == 2  # room for 1 more unheld block: a2 and then b2 go
+    assert pool.forget(private=1) == [b"a2", b"b2"]  # room for 1 more unheld block
     assert pool.cached_prefix([b"a1", b"a2"]) == 1 and pool.cached_prefix([b"b1", b"b2"]) == 1
-    assert pool.evict(private=10) == 1  # held blocks stay, however short the room
+    assert pool.forget(private=10) == [b"b1"]  # held blocks stay, however short the room
     assert (pool.held, pool.cached) == (2, 2)
     pool.acquire([b"a1"])  # a second request on the same block: held once, counted once
     assert pool.held == 2

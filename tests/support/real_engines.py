@@ -16,6 +16,7 @@ entries an operator writes for them. tests/real_engine/conftest.py holds the tie
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,10 +36,13 @@ CACHE = Path(os.environ.get("REAL_ENGINES_DIR") or "~/.cache/real-engines").expa
 SERVED = "acme/tiny"
 MAX_MODEL_LEN = 1024
 # Small queues so that admission control (503) and waiting show up under a light load; prompt
-# token details for cached tokens, with blocks small enough (32) for short prompts to hit; tool
-# calls parsed as a Hermes/Qwen model's (requests with tools need a parser).
+# token details for cached tokens, with blocks small enough (32) for short prompts to hit; a
+# KV cache of 256 blocks (8,192 tokens: twice what four requests of the whole context hold),
+# so that a test can make the engine evict; tool calls parsed as a Hermes/Qwen model's
+# (requests with tools need a parser).
 REPLICA_ARGS = ("--max-num-seqs", "4", "--max-num-queued-reqs", "8",
                 "--enable-prompt-tokens-details", "--block-size", "32",
+                "--num-gpu-blocks-override", "256",
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 PREPARE_TIMEOUT_S = 20 * 60  # a first install is ~2 min; a slow mirror gets room
 START_TIMEOUT_S = 300  # ~30 s each, two at once on two cores; more while the box is busy
@@ -98,6 +102,7 @@ class Replica:
     script: str = CHAT_SCRIPT
     args: tuple[str, ...] = REPLICA_ARGS
     traces_to: str | None = None  # an OTLP/HTTP traces URL (serve-tiny.sh's OTLP_TRACES_ENDPOINT)
+    events_port: int | None = None  # where it publishes its KV-cache events (ZMQ PUB, bound)
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # how long the last start took to /health 200
     starts: int = 0
@@ -117,10 +122,24 @@ class Replica:
         # beside its worker, and would take the other core from the other replica and the tests.
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                ["bash", str(SCRIPTS / self.script), str(self.port), *self.args],
+                ["bash", str(SCRIPTS / self.script), str(self.port), *self.args,
+                 *self.events_args()],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._t0 = time.monotonic()
         self.starts += 1
+
+    @property
+    def events_url(self) -> str | None:
+        """Where the gateway reads its KV-cache events (backends.toml `kv_events`)."""
+        return f"tcp://127.0.0.1:{self.events_port}" if self.events_port else None
+
+    def events_args(self) -> list[str]:
+        if self.events_port is None:
+            return []
+        # A wildcard host makes vLLM bind (any other, connect).
+        return ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}"})]
 
     def poll_ready(self) -> bool:
         """True once /health answers 200; EngineSetupError when the process exited."""

@@ -28,52 +28,11 @@ from proxy.simulators.vllm import KV_EVENTS
 from tests.support.config_files import MODEL
 from tests.support.processes import free_ports, stop_group, wait_until_ready
 from tests.support.upstreams import SimulatorFactory
-
-# ------------------------------------------------------------- vLLM 0.32's structs, verbatim
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]  # ExternalBlockHash: an int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
+from tests.support.vllm_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 
 # A real vLLM 0.32's messages, as captured: the maps' keys in wire order.
 REAL_STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",

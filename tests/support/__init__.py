@@ -23,6 +23,7 @@ Helpers (imported by name):
   encoded_media     real encoder output (PyAV), and its readings
   real_engines      real vLLM replicas of the real-engine tier, and their backends.toml entries
   vllm_metrics      a real vLLM's /metrics, read
+  vllm_events       vLLM 0.32's KV-cache event structs, verbatim (what its publisher encodes)
   asr_audio         test audio for the real Whisper replica
   fidelity          JSON shapes and SSE events, compared between a simulator and vLLM
 """

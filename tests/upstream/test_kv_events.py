@@ -25,55 +25,35 @@ from tests.support.config_files import MODEL
 from tests.support.gateway import GatewayFactory
 from tests.support.processes import free_ports
 from tests.support.upstreams import SimulatorFactory
+from tests.support.vllm_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+)
 
 BLOCK_TOKENS = 16
 
 
-# vLLM 0.32's own structs (vllm/distributed/kv_events.py), fields and options as there: what
-# the engine's publisher encodes, unknown fields and all.
-class VllmBlockStored(msgspec.Struct, omit_defaults=True, tag="BlockStored"):
+class BlockPinned(KVCacheEvent):  # an event type this gateway does not know
     block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    session_id: str | None = None
-
-
-class VllmBlockRemoved(msgspec.Struct, omit_defaults=True, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class VllmAllBlocksCleared(msgspec.Struct, omit_defaults=True, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmUnknownEvent(msgspec.Struct, omit_defaults=True, tag="BlockPinned"):
-    block_hashes: list[int]
-
-
-class VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
 
 
 def frames(seq: int, *events: Any) -> list[bytes]:
     """One message as vLLM's ZmqEventPublisher sends it."""
     return [b"kv", seq.to_bytes(8, "big"),
-            msgspec.msgpack.encode(VllmBatch(1.0, list(events)))]
+            msgspec.msgpack.encode(EventBatch(1.0, list(events), 0))]
 
 
-def stored(hashes: list[int], parent: int | None, session: str | None) -> VllmBlockStored:
-    return VllmBlockStored(hashes, parent, list(range(len(hashes) * BLOCK_TOKENS)),
-                           BLOCK_TOKENS, None, "GPU", None, session_id=session)
+def stored(hashes: list[int], parent: int | None, session: str | None) -> BlockStored:
+    return BlockStored(hashes, parent, list(range(len(hashes) * BLOCK_TOKENS)), BLOCK_TOKENS,
+                       None, "GPU", None, group_idx=0, kv_cache_spec_kind="full_attention",
+                       session_id=session)
+
+
+def removed(block: int) -> BlockRemoved:
+    return BlockRemoved([block], "GPU", group_idx=0)
 
 
 def a_prompt(text: str) -> Prompt:
@@ -139,20 +119,20 @@ def test_the_follower_reads_vllms_wire_and_clears_the_index_when_the_engine_rest
     # Its evictions are heard now: the index's own estimate of the room no longer trims first.
     assert index.view()["replicas"]["r0"]["engine_reports_evictions"]
     assert index.view()["replicas"]["r0"]["fit"] == 1.5
-    follower.take(frames(8, VllmUnknownEvent([1]), VllmBlockRemoved([26], "GPU")))
+    follower.take(frames(8, BlockPinned([1]), removed(26)))
     assert blocks.view()["removed"] == 1 and index.matched("r0", prompt) == 6  # the unknown skipped
     # A hybrid model's sliding-window group drops blocks as its window moves: not evictions.
     window = stored(list(range(27)), None, session)
     window.group_idx, window.kv_cache_spec_kind = 1, "sliding_window"
-    follower.take(frames(9, window, VllmBlockRemoved([23], "GPU", group_idx=1)))
+    follower.take(frames(9, window, BlockRemoved([23], "GPU", group_idx=1)))
     assert index.matched("r0", prompt) == 6
-    follower.take(frames(10, VllmBlockRemoved([23], "GPU")))
+    follower.take(frames(10, removed(23)))
     assert index.matched("r0", prompt) == 5
     follower.take([b"kv", b"\x00", b"not msgpack"])  # not vLLM's: ignored
     follower.take(frames(11, b"\xc1"))  # an event that is not one
     assert follower.messages == 5 and follower.gaps == follower.restarts == 0
     # Events lost (seq 12-19): depths are forgotten, the index stays.
-    follower.take(frames(20, VllmBlockRemoved([3], "GPU")))
+    follower.take(frames(20, removed(3)))
     assert follower.gaps == 1 and index.matched("r0", prompt) == 5
     # A new engine process numbers from 0 again: its cache is empty.
     follower.take(frames(0))
@@ -160,7 +140,7 @@ def test_the_follower_reads_vllms_wire_and_clears_the_index_when_the_engine_rest
     assert "r0" not in index.view()["replicas"]  # its own estimate again, until heard
     index.add("r0", prompt.blocks, 1.0)
     blocks.sent(index, prompt)
-    follower.take(frames(1, VllmAllBlocksCleared()))
+    follower.take(frames(1, AllBlocksCleared()))
     assert index.size("r0") == 0
     assert follower.view()["cleared"] == 2
 

@@ -45,7 +45,8 @@ from redis.exceptions import RedisError
 from proxy.errors import GatewayError
 from proxy.observe.metrics import Metrics
 from proxy.upstream.early import Early
-from proxy.upstream.pool import Backend, Pool, free_here
+from proxy.upstream.holdings import Holdings
+from proxy.upstream.pool import Backend, Pool, free_here, offer
 from proxy.upstream.prefixes import Prompt
 from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter, saturated
 from proxy.upstream.routing import Ranking
@@ -85,14 +86,17 @@ class Dispatcher:
         self._started = asyncio.Event()  # set at the first take: the heartbeat begins
         self._slot_freed: dict[str, asyncio.Future[None]] = {}  # backend -> its next give-back
         self.spares = Spares(lambda name, count: self._spawn(self._give_back(name, count)))
+        self.held = Holdings()  # what the heartbeat tells the ledger this process holds
 
     async def acquire(self, pool: Pool, ticket: Ticket | None, *, prompt: Prompt | None = None,
                       exclude: Backend | None = None) -> Backend:
         """A backend of `pool` with a slot held for this request (give it back with
         `release`); 503 when none can be had within the ticket's longest wait. Without a
         ticket (no tier: internal calls), no queue: the pick as before."""
-        if ticket is None:
-            return pool.pick(exclude=exclude, prompt=prompt)
+        if ticket is None:  # released like any other: counted like any other
+            picked = pool.pick(exclude=exclude, prompt=prompt)
+            self.held.granted([picked])
+            return picked
         waiter = Waiter(ticket, want=Want(prompt, exclude, time.monotonic()))
         taken = await self._arrive(pool, waiter) or await self._wait(pool, waiter)
         pool.placed(taken[0], prompt)
@@ -141,6 +145,7 @@ class Dispatcher:
     def release(self, pool: Pool, backend: Backend, held_s: float) -> None:
         """The request is done with its slot: give it back, and let a waiter try."""
         self._drain(pool).observe(held_s)
+        self.held.released(backend.name)
         if self.ledger is not None and not (self._shared and not self._waiting()
                                             and self.spares.keep(backend)):
             self._spawn(self._give_back(backend.name))
@@ -162,14 +167,18 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Forever: the heartbeat that keeps this process's slots its own (a process that
-        stops beating is taken for crashed and what it held is given back). It begins with the
+        stops beating is taken for crashed and what it held is given back) and sets the
+        ledger's count of them to this process's own (proxy.upstream.holdings). It begins with the
         process's first request upstream: a gateway that never sends one writes nothing."""
         if self.ledger is None:
             return
         await self._started.wait()
         while True:
             try:
-                await self.ledger.beat()
+                if (changed := await self.ledger.beat(held=self.held.count(
+                        self.spares.counts()))) > 0:
+                    log.warning("the slot ledger's count of this process's slots was %d off "
+                                "(a give-back or take lost on its way): corrected", changed)
                 if not self._shared:
                     log.warning("the slot ledger answers again: slots are shared once more")
                 self._shared = True
@@ -209,7 +218,7 @@ class Dispatcher:
                 await self.ledger.beat()
         if (self._shared and want.need == 1 and not ticket.headroom
                 and self.spares.use(preferred[0])):
-            return preferred[:1]  # kept from an earlier request (no headroom to keep)
+            return self.held.granted(preferred[:1])  # kept from an earlier request
         most_ahead = self._drain(pool).most_ahead(ticket.max_wait_s, slots := pool.slots())
         if self._shared:
             waiter.member = self.ledger.member()
@@ -217,13 +226,13 @@ class Dispatcher:
                 held = await self._holder(pool, waiter, ranking)
                 if held is not None:
                     return held
-            got = (await self._take(pool, waiter, preferred, preferred, most_ahead,
+            got = (await self._take(pool, waiter, preferred, most_ahead,
                                     spare=want.need == 1) if self._shared else None)
             if got is not None:
                 if got.tag is None:
                     raise self._shed(pool, ticket, got.ahead, "expected")
                 waiter.tag = got.tag
-                return _named(preferred, got.backends)
+                return self.held.granted(pool.named(got.backends))
         # The ledger is unreachable: this worker's own counts, turns and queue.
         turns = self._local_turns(pool, ticket)
         waiter.tag = turns.tag(ticket.account)
@@ -232,25 +241,24 @@ class Dispatcher:
         if ahead == 0 and (local := free_here(preferred, ticket.keep_free(pool.slots()),
                                           want.need)) is not None:
             turns.served(ticket.account, waiter.tag)
-            return local
+            return self.held.granted(local)
         if ahead > most_ahead:
             raise self._shed(pool, ticket, ahead, "expected")
         turns.queued(ticket.account, waiter.tag)
         return None
 
-    async def _take(self, pool: Pool, waiter: Waiter, preferred: list[Backend],
-                    offered: list[Backend], most_ahead: int, spare: bool = False
-                    ) -> Taken | None:
+    async def _take(self, pool: Pool, waiter: Waiter, offered: list[Backend],
+                    most_ahead: int, spare: bool = False) -> Taken | None:
         """One `take` of a slot on the first of `offered` with one free (and spares to keep
         there, when `spare` and the pool is free enough); None when the ledger cannot be
         reached (this worker counts on its own then)."""
         assert self.ledger is not None
         ticket, first = waiter.ticket, offered[0]
         wanted = self.spares.wanted(first) if spare and not self._waiting() else 0
-        call = asyncio.ensure_future(self.ledger.take(
-            pool.key, ticket.priority, ticket.higher, ticket.account, _offer(offered),
+        call = asyncio.ensure_future(self.held.ask(self.ledger.take(
+            pool.key, ticket.priority, ticket.higher, ticket.account, offer(offered),
             member=waiter.member, wait_s=ticket.max_wait_s, most_ahead=most_ahead,
-            keep_free=ticket.keep_free(pool.slots()), need=waiter.want.need, spare=wanted))
+            keep_free=ticket.keep_free(pool.slots()), need=waiter.want.need, spare=wanted)))
         try:
             got = await asyncio.shield(call)
             if got.spare:
@@ -264,7 +272,7 @@ class Dispatcher:
             return None
         except asyncio.CancelledError:
             # The script runs anyway (it was sent): undo what it did once it lands.
-            call.add_done_callback(lambda done: self._undo(done, pool, waiter, preferred))
+            call.add_done_callback(lambda done: self._undo(done, pool, waiter))
             raise
 
     async def _holder(self, pool: Pool, waiter: Waiter, ranking: Ranking[Backend]
@@ -273,17 +281,17 @@ class Dispatcher:
         prompt), asked for again as slots free, for up to its `patience_s` while nobody
         queues; None when that passes, or when a request queues (the queue's order decides
         then). Meanwhile the request holds no place: it delays nobody."""
-        preferred, holders = ranking.order, ranking.order[:ranking.hold]
+        holders = ranking.order[:ranking.hold]
         until = time.monotonic() + ranking.patience_s
         waited = False
         while True:
-            got = await self._take(pool, waiter, preferred, holders, -1)
+            got = await self._take(pool, waiter, holders, -1)
             if got is None or got.ahead > 0:
                 break
             if got.backends:
                 if waited:
                     self.metrics.held_out(pool.model, "holder")
-                return _named(preferred, got.backends)
+                return self.held.granted(pool.named(got.backends))
             left = until - time.monotonic()
             if left <= 0:
                 break
@@ -309,25 +317,24 @@ class Dispatcher:
         preferred = pool.preferred(exclude=want.exclude, prompt=want.prompt, capped=False)
         if self.ledger is not None and self._shared:
             try:
-                got = await self.ledger.turn(pool.key, ticket.priority, ticket.higher,
-                                             ticket.account, _offer(preferred), waiter.member,
-                                             waiter.tag, ticket.keep_free(pool.slots()), want.need)
-                return _named(preferred, got.backends)
+                got = await self.held.ask(self.ledger.turn(
+                    pool.key, ticket.priority, ticket.higher, ticket.account, offer(preferred),
+                    waiter.member, waiter.tag, ticket.keep_free(pool.slots()), want.need))
+                return self.held.granted(pool.named(got.backends))
             except RedisError:
                 self._shared = False
         # This worker's own counts: the head of its queue is first here.
         local = free_here(preferred, ticket.keep_free(pool.slots()), want.need)
         if local is not None:
             self._local_turns(pool, ticket).served(ticket.account, waiter.tag)
-        return local
+        return self.held.granted(local)
 
-    def _undo(self, done: asyncio.Future[Taken], pool: Pool, waiter: Waiter,
-              preferred: list[Backend]) -> None:
+    def _undo(self, done: asyncio.Future[Taken], pool: Pool, waiter: Waiter) -> None:
         """A take whose requester was cancelled: give back the slot, or stop waiting."""
         if done.cancelled() or done.exception() is not None:
             return
         got = done.result()
-        taken = _named(preferred, got.backends)
+        taken = self.held.granted(pool.named(got.backends))
         if taken:
             if got.spare:  # spares nobody heard of: back at once
                 self._spawn(self._give_back(taken[0].name, got.spare))
@@ -440,11 +447,3 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-
-def _offer(preferred: list[Backend]) -> list[tuple[str, int]]:
-    return [(b.name, b.spec.max_concurrency) for b in preferred]
-
-
-def _named(preferred: list[Backend], names: tuple[str, ...]) -> list[Backend] | None:
-    by_name = {b.name: b for b in preferred}
-    return [by_name[name] for name in names if name in by_name] or None

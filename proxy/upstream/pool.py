@@ -279,6 +279,10 @@ class Pool:
         """Requests its healthy backends run at once (1 when none is healthy)."""
         return sum(b.slots for b in self.backends if b.healthy) or 1
 
+    def named(self, names: Sequence[str]) -> list[Backend] | None:
+        """Its backends called `names` (what the slot ledger granted), in that order."""
+        return [self._named[name] for name in names if name in self._named] or None
+
     def context_limit(self) -> int | None:
         """The least context length the pool's engines report for its model (None: unknown)."""
         known = [n for b in self.backends if (n := b.max_model_len.get(self.model)) is not None]
@@ -394,6 +398,11 @@ class Pool:
             f"model {self.model!r} is temporarily unavailable: {reason}",
             headers={"Retry-After": RETRY_AFTER_S},
         )
+
+
+def offer(backends: Sequence[Backend]) -> list[tuple[str, int]]:
+    """Backends as the slot ledger is offered them: (name, slots), in order."""
+    return [(b.name, b.spec.max_concurrency) for b in backends]
 
 
 def free_here(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:

@@ -19,11 +19,13 @@ asks again with `turn` when a slot frees; `leave` takes it out. `give_back` free
 `take` may also give the process spare slots to keep while the pool is far from full
 (proxy.upstream.spares): they count as in flight like any other.
 Every process beats its heartbeat every `BEAT_S`; the first beat after another process's lapsed
-gives back every slot that process held (it crashed). A waiting request is forgotten when its
-longest wait ends, whoever forgot to take it out (a crashed process, a lost connection). A
-Redis that restarts forgets what was in flight: give-backs then find nothing to give (never
-below zero), and the engines may see up to their slots again on top of what was already
-running, until that drains.
+gives back every slot that process held (it crashed), and each beat sets the process's own
+share to what it holds by its own count (proxy.upstream.holdings): a give-back that failed
+leaves its slot counted for a beat at most. A waiting request is forgotten when its longest
+wait ends, whoever forgot to take it out (a crashed process, a lost connection). A Redis that
+restarts forgets what was in flight: give-backs then find nothing to give (never below zero),
+and the engines may see up to their slots again on top of what was already running, until
+the processes' next beats count it again.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.store.client import Primaries, Store
@@ -53,6 +55,7 @@ _KEYS = [_PREFIX + name for name in ("total", "held", "alive", "now")]
 # waiters ahead of it in every gateway, its tag (-1: refused, nothing changed), spares given}.
 _TAKE = """
 local mode, proc, q, account, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+redis.call('HINCRBY', KEYS[3], 'asks|' .. proc, 1)  -- the beat's check (see _BEAT)
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- A waiter past its longest wait is gone, whether or not its gateway could say so.
@@ -164,7 +167,12 @@ local total = redis.call('HINCRBY', KEYS[1], ARGV[2], -count)
 if total <= 0 then redis.call('HDEL', KEYS[1], ARGV[2]) end
 return count
 """
-# ARGV: process, now ms, lapse ms. Beats, then gives back what lapsed processes held.
+# KEYS: total, held, alive, now. ARGV: process, now ms, lapse ms, then either 'unknown' or how
+# many takes the process had sent when it counted and (backend, slots) pairs of what it holds
+# by its own count. Beats, gives back what lapsed processes held, then sets the process's
+# share to its count, unless a take it sent after counting was run first (its grant would be
+# missing: the connection's order is not always the order the calls were made in, e.g. while
+# it connects); returns how many slots that changed (-1: not checked).
 _BEAT = """
 local now = tonumber(ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[1], now + tonumber(ARGV[3]))
@@ -185,12 +193,43 @@ for i = 1, #fields, 2 do
   local backend, owner = string.match(fields[i], '^(.*)|([^|]*)$')
   if owner and not living[owner] then
     redis.call('HDEL', KEYS[2], fields[i])
+    redis.call('HDEL', KEYS[4], 'asks|' .. owner)
     if redis.call('HINCRBY', KEYS[1], backend, -tonumber(fields[i + 1])) <= 0 then
       redis.call('HDEL', KEYS[1], backend)
     end
   end
 end
-return 1
+if ARGV[4] == 'unknown' then return -1 end
+local asks = 'asks|' .. ARGV[1]
+if tonumber(redis.call('HGET', KEYS[4], asks) or '0') > tonumber(ARGV[4]) then return -1 end
+redis.call('HSET', KEYS[4], asks, ARGV[4])
+local changed = 0
+local function set(backend, have, want)
+  if want == have then return end
+  local field = backend .. '|' .. ARGV[1]
+  if want > 0 then
+    redis.call('HSET', KEYS[2], field, want)
+  else
+    redis.call('HDEL', KEYS[2], field)
+  end
+  if redis.call('HINCRBY', KEYS[1], backend, want - have) <= 0 then
+    redis.call('HDEL', KEYS[1], backend)
+  end
+  changed = changed + math.abs(want - have)
+end
+local wanted = {}
+for i = 5, #ARGV - 1, 2 do wanted[ARGV[i]] = tonumber(ARGV[i + 1]) end
+for i = 1, #fields, 2 do
+  local backend, owner = string.match(fields[i], '^(.*)|([^|]*)$')
+  if owner == ARGV[1] then
+    set(backend, tonumber(fields[i + 1]), wanted[backend] or 0)
+    wanted[backend] = nil
+  end
+end
+for i = 5, #ARGV - 1, 2 do
+  if wanted[ARGV[i]] then set(ARGV[i], 0, wanted[ARGV[i]]) end
+end
+return changed
 """
 
 
@@ -278,11 +317,19 @@ class SlotLedger:
         """`count` slots of `backend` this process held are free (never more than it holds)."""
         await self._pipes.call(self._give_back, _KEYS, [self.process, backend, count])
 
-    async def beat(self, now: float | None = None) -> None:
-        """This process is alive; processes whose beat lapsed before `now` are not."""
+    async def beat(self, now: float | None = None,
+                   held: tuple[int, Mapping[str, int]] | None = None) -> int:
+        """This process is alive; processes whose beat lapsed before `now` are not. With
+        `held` (proxy.upstream.holdings: the takes and turns it had sent, and every backend
+        it holds slots of with how many, counted when none was on its way), its share
+        becomes that; how many slots that changed (-1: not checked)."""
         at = time.time() if now is None else now
-        await self._pipes.call(self._beat, _KEYS, [self.process, int(at * 1000),
-                                                   int(LAPSE_S * 1000)])
+        count: list[str | int] = ["unknown"]
+        if held is not None:
+            count = [held[0], *(x for name, n in sorted(held[1].items()) for x in (name, n))]
+        changed = await self._pipes.call(self._beat, _KEYS, [
+            self.process, int(at * 1000), int(LAPSE_S * 1000), *count])
+        return int(changed)
 
     async def in_flight(self) -> dict[str, int]:
         """Requests in flight per backend, fleet-wide (for /admin/backends)."""

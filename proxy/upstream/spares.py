@@ -54,6 +54,10 @@ class Spares:
         """Spares of backend `name` kept now."""
         return self._kept.get(name, 0)
 
+    def counts(self) -> dict[str, int]:
+        """Spares kept now, per backend name."""
+        return {name: count for name, count in self._kept.items() if count > 0}
+
     def wanted(self, backend: Backend) -> int:
         """How many more spares of `backend` the worker may keep."""
         return max(0, most_kept(backend.spec.max_concurrency) - self.kept(backend.name))

@@ -5,7 +5,8 @@ each step is one script:
     igw:{slots}:total       hash  backend -> requests in flight on it, fleet-wide
     igw:{slots}:held        hash  backend|process -> that process's share of them
     igw:{slots}:alive       hash  process -> when its heartbeat lapses (ms)
-    igw:{slots}:now         hash  pool|priority -> the tag that last got a slot ("now")
+    igw:{slots}:now         hash  pool|priority -> the tag that last got a slot ("now");
+                                  asks|process -> the takes and turns it ran (`beat`)
     igw:{slots}:next:Q      zset  account -> its next turn, for accounts ahead of "now"
     igw:{slots}:wait:Q      zset  waiting request -> its tag (Q = pool|priority)
     igw:{slots}:due:Q       zset  waiting request -> when its longest wait ends (ms)

@@ -59,9 +59,6 @@ class Holdings:
         else:
             del self._running[name]
 
-    def running(self, name: str) -> int:
-        return self._running[name]
-
     def count(self, spares: Mapping[str, int]) -> tuple[int, dict[str, int]] | None:
         """The takes and turns sent so far, and what this process holds per backend with
         `spares`; None while a take is on its way (its grant would be missing)."""

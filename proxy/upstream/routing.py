@@ -99,9 +99,12 @@ CONTENTION = 0.1
 # What caching a prompt's tokens on a replica costs the blocks it evicts there, in prefills of
 # those tokens: they are prefilled again later, by this prompt's next request or another's.
 # Without it a prompt moved whenever its replica was briefly busier, and the copy evicted
-# others' prompts (hit rate 58 % at 0, 67 % at 0.5, 70 % at 1, 73 % at 2 and 4, p99 TTFT best
-# at 2: loadtests.routing, 2026-11-27).
-CACHE_USE = 2.0
+# others' prompts (starts: hit rate 58 % at 0, 67 % at 0.5, 70 % at 1, 73 % at 2 and 4,
+# 2026-11-27). With the engines' KV-cache events, three runs each (loadtests.routing,
+# 2026-11-29): at 2, starts 72.7 % / p50 68 / p99 258 ms and sessions 77.2 % / 45 / 210 ms;
+# at 4, 74.7 % / 67 / 328 and 79.1 % / 41 / 255 (sessions at 8: 79.0 % / 39 / 250). Each
+# move off a session's replica left its context behind and copied it elsewhere.
+CACHE_USE = 4.0
 COLD_SHARE = 0.7  # a prompt of which no replica holds 30 % is placed as a new one
 
 

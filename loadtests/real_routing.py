@@ -1,0 +1,252 @@
+"""Routing on real vLLM (issue 31): the gateway's `prefix` pick, with and without the engines'
+KV-cache events, beside vllm-router and sglang-router when they are installed.
+
+    python -m loadtests.real_routing [--seeds 1,2,3] [--configs prefix,prefix-events,...]
+        [--requests 240] [--concurrency 6] [--prefill-ms-per-1k-tokens N] [--json PATH]
+
+For each seed and config, two fresh real vLLM replicas (the real-engine tier's tiny model and
+scripts, tests/support/real_engines.py: CPU, one core each, `--max-num-seqs 4`, a KV cache of
+128 blocks of 32 tokens, 4,096 tokens, so they evict), publishing their KV-cache events; in
+front of them a one-worker gateway routing by `prefix` (`prefix-events`: with `kv_events` on
+each backend) or a router with its cache-aware policy (loadtests/routers.py). The same seeded
+requests for every config: system prompts of ~410 tokens (random hex words, so that the
+tokenizer finds no shortcut) drawn by a Zipf law from 24, each followed by a short question,
+streamed, `--concurrency` at a time. Reported per config, mean and min-max over the seeds:
+the engines' own prefix-cache hit rate (`vllm:prefix_cache_hits_total / queries_total`),
+time to first token p50 and p99, errors, and the engines' prefill time per 1,000 tokens they
+computed (docs/routing.md's recipe for `prefill_ms_per_1k_tokens`; `--prefill-ms-per-1k-tokens`
+gives the gateway a figure other than its default). The configs run in a different order for
+each seed (rotated), so that none always runs on the coolest machine.
+
+vLLM is installed and the model built on first use (~2 min; cached in $REAL_ENGINES_DIR, as
+for the real-engine tier: docs/real-engine.md). Each run starts two replicas (~30-60 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtests import loadgen, routers
+from loadtests.servers import (
+    Backend,
+    Server,
+    create_keys,
+    free_port,
+    gateway_args,
+    wait_ready,
+    write_gateway_config,
+)
+from tests.support.real_engines import SERVED, Engines, Replica
+
+# Small caches that must evict: 128 blocks of 32 tokens, about ten of the system prompts.
+ARGS = ("--max-num-seqs", "4", "--enable-prompt-tokens-details", "--block-size", "32",
+        "--num-gpu-blocks-override", "128", "--enforce-eager")
+SLOTS = 4
+GATEWAY_CONFIGS = ("prefix", "prefix-events")
+CONFIGS = (*GATEWAY_CONFIGS, *routers.ROUTERS)
+PROMPTS = 24
+CHAT_PATH = "/v2/compat/v1/chat/completions"
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:request_prefill_time_seconds_sum", "vllm:prompt_tokens_total")
+
+
+def workload(seed: int, requests: int) -> list[list[dict[str, str]]]:
+    """`requests` conversations: a Zipf-drawn system prompt of 60 hex words, a short question."""
+    rng = random.Random(seed)
+    systems = [" ".join(f"{rng.getrandbits(32):08x}" for _ in range(60)) for _ in range(PROMPTS)]
+    weights = [1 / (k + 1) for k in range(PROMPTS)]
+    out = []
+    for j in range(requests):
+        system = rng.choices(systems, weights)[0]
+        question = f"q{j} " + " ".join(f"{rng.getrandbits(16):04x}"
+                                       for _ in range(rng.randint(2, 8)))
+        out.append([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return out
+
+
+def counters(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as page:
+        text = page.read().decode()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict[str, str]]],
+                concurrency: int) -> tuple[list[float], int]:
+    """Each conversation streamed, `concurrency` at a time; their times to first token, and
+    how many failed."""
+    gate = asyncio.Semaphore(concurrency)
+    ttfts: list[float] = []
+    errors = 0
+
+    async def one(i: int, messages: list[dict[str, str]]) -> None:
+        nonlocal errors
+        headers = {"X-Request-Id": f"real-routing-{i}"}  # in the gateway's access log
+        if keys:
+            headers["X-API-Key"] = keys[i % len(keys)]
+        body = {"model": SERVED, "messages": messages, "max_tokens": 4, "stream": True}
+        async with gate:
+            started = time.perf_counter()
+            first = None
+            try:
+                async with session.post(url, json=body, headers=headers) as resp:
+                    async for line in resp.content:
+                        if first is None and line.startswith(b"data: {"):
+                            first = time.perf_counter() - started
+                    ok = resp.status == 200 and first is not None
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            if ok and first is not None:
+                ttfts.append(first)
+            else:
+                errors += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await asyncio.gather(*(one(i, m) for i, m in enumerate(conversations)))
+    return ttfts, errors
+
+
+def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Two fresh replicas, `config` in front of them, the seed's requests."""
+    events = config == "prefix-events"
+    replicas = [Replica(f"r{i}", free_port(), i, work / f"{config}-{seed}-r{i}.log", args=ARGS,
+                        events_port=free_port() if events else None) for i in range(2)]
+    engines = Engines(replicas, work / "prepare.log")
+    keys: tuple[str, ...] = ()
+    with contextlib.ExitStack() as stack:
+        engines.start()
+        stack.callback(engines.stop)
+        if config in routers.ROUTERS:
+            router, base = routers.start(config, [r.url for r in replicas],
+                                         work / f"{config}-{seed}.log")
+            stack.callback(router.stop)
+            url = base + routers.CHAT_PATH
+        else:
+            port = free_port()
+            folder = work / f"{config}-{seed}-config"
+            routing: dict[str, str | float] = {"pick": "prefix"}
+            if args.prefill_ms_per_1k_tokens is not None:
+                routing["prefill_ms_per_1k_tokens"] = args.prefill_ms_per_1k_tokens
+            gateway_config = write_gateway_config(
+                folder, port=port, ledger_fsync="everysec", routing=routing,
+                backends=[Backend(r.name, "vllm", r.url, SERVED, 1, SLOTS, r.events_url)
+                          for r in replicas])
+            gateway = Server("gateway", gateway_args(gateway_config, port, workers=1),
+                             work / f"{config}-{seed}-gateway.log", None)
+            stack.callback(gateway.stop)
+            wait_ready(f"http://127.0.0.1:{port}/readyz", server=gateway)
+            url = f"http://127.0.0.1:{port}{CHAT_PATH}"
+            keys = tuple(create_keys(gateway_config, 8, credits_each=100_000))
+        before = [counters(r.url) for r in replicas]
+        ttfts, errors = asyncio.run(drive(url, keys, workload(seed, args.requests),
+                                          args.concurrency))
+        after = [counters(r.url) for r in replicas]
+    hits, queries, prefill_s, prompt = (
+        sum(a[name] - b[name] for a, b in zip(after, before, strict=True)) for name in COUNTERS)
+    # What docs/routing.md tells an operator to set `prefill_ms_per_1k_tokens` to.
+    computed = prompt - hits
+    return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts),
+            "hit_rate": hits / queries if queries else float("nan"),
+            "prefill_ms_per_1k_tokens": prefill_s / computed * 1e6 if computed else float("nan"),
+            "ttft_p50_ms": loadgen.percentile(ttfts, 50) * 1000,
+            "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
+
+
+def summarise(runs: Sequence[dict[str, Any]], configs: Sequence[str]) -> list[dict[str, Any]]:
+    out = []
+    for config in configs:
+        mine = [r for r in runs if r["config"] == config]
+        row: dict[str, Any] = {"config": config, "runs": len(mine),
+                               "errors": sum(r["errors"] for r in mine)}
+        for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "prefill_ms_per_1k_tokens"):
+            values = [r[key] for r in mine]
+            row[key] = sum(values) / len(values)
+            row[key + "_range"] = (min(values), max(values))
+        out.append(row)
+    return out
+
+
+def render(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [f"{'config':<15} {'hit rate (min-max)':>22} {'TTFT p50 ms':>12} "
+             f"{'TTFT p99 ms (min-max)':>24} {'errors':>7} {'prefill ms/1k':>14}"]
+    for r in rows:
+        low, high = r["hit_rate_range"]
+        p99_low, p99_high = r["ttft_p99_ms_range"]
+        lines.append(f"{r['config']:<15} {100 * r['hit_rate']:>6.1f} % "
+                     f"({100 * low:.1f}-{100 * high:.1f}) {r['ttft_p50_ms']:>12.0f} "
+                     f"{r['ttft_p99_ms']:>10.0f} ({p99_low:.0f}-{p99_high:.0f}) "
+                     f"{r['errors']:>7} {r['prefill_ms_per_1k_tokens']:>14.0f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.real_routing",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="1,2,3", help="comma-separated (default 1,2,3)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated among {', '.join(CONFIGS)} (routers when installed)")
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=None,
+                   help="the gateway's [routing] prefill_ms_per_1k_tokens (default: its own)")
+    p.add_argument("--json", type=Path, help="write the runs and the summary here")
+    args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error("--seeds: integers, e.g. 1,2,3")
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.seeds or not args.configs or set(args.configs) - set(CONFIGS):
+        p.error(f"--seeds and --configs must be non-empty; configs among {', '.join(CONFIGS)}")
+    if args.requests < 1 or args.concurrency < 1:
+        p.error("--requests and --concurrency must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    versions = routers.installed()
+    configs = [c for c in args.configs if c not in routers.ROUTERS or versions[c]]
+    for name in sorted(set(args.configs) - set(configs)):
+        print(f"real_routing: skipping {name}: not installed (pip install -e '.[routers]')",
+              file=sys.stderr)
+    if not configs:
+        return 2
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="real-routing-") as folder:
+        for n, seed in enumerate(args.seeds):
+            turn = n % len(configs)
+            for config in configs[turn:] + configs[:turn]:
+                print(f"seed {seed}: {config} ...", file=sys.stderr, flush=True)
+                runs.append(run(config, seed, args, Path(folder)))
+                print("  " + json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    rows = summarise(runs, configs)
+    print(f"Routing on two real vLLM replicas ({os.cpu_count()} cores): {args.requests} "
+          f"requests a run, {args.concurrency} at a time, seeds {args.seeds}; "
+          + ", ".join(f"{name} {v}" for name, v in versions.items() if v and name in configs))
+    print(render(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "summary": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The real-vLLM routing benchmark's own parts (loadtests/real_routing.py): its workload, its
+arguments and its summary. Its runs start real vLLM replicas (a minute each), so the suite does
+not run one; the figures are in loadtests/README.md.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from loadtests import real_routing
+
+
+def test_the_workload_is_seeded_and_draws_the_popular_system_prompts_most() -> None:
+    conversations = real_routing.workload(3, 400)
+    assert conversations == real_routing.workload(3, 400)
+    assert conversations != real_routing.workload(4, 400)
+    systems = collections.Counter(c[0]["content"] for c in conversations)
+    assert 10 < len(systems) <= real_routing.PROMPTS
+    counts = sorted(systems.values(), reverse=True)
+    assert counts[0] > 4 * counts[-1]  # Zipf: the first is drawn about 24 times the last
+    questions = [c[1]["content"] for c in conversations]
+    assert len(set(questions)) == 400  # every request ends in a prompt of its own
+    assert all(len(c[0]["content"].split()) == 60 for c in conversations)
+
+
+def test_the_summary_is_the_mean_and_range_of_each_configs_runs() -> None:
+    runs = [{"config": "prefix", "seed": s, "errors": e, "requests": 240, "hit_rate": h,
+             "ttft_p50_ms": p50, "ttft_p99_ms": p99, "prefill_ms_per_1k_tokens": 100.0 * s}
+            for s, e, h, p50, p99 in ((1, 0, 0.6, 90.0, 300.0), (2, 1, 0.7, 100.0, 200.0))]
+    runs.append({"config": "vllm-router", "seed": 1, "errors": 0, "requests": 240,
+                 "hit_rate": 0.5, "ttft_p50_ms": 80.0, "ttft_p99_ms": 900.0,
+                 "prefill_ms_per_1k_tokens": 90.0})
+    [prefix, router] = real_routing.summarise(runs, ["prefix", "vllm-router"])
+    assert prefix["runs"] == 2 and prefix["errors"] == 1
+    assert prefix["hit_rate"] == pytest.approx(0.65)
+    assert prefix["hit_rate_range"] == (0.6, 0.7)
+    assert prefix["ttft_p99_ms"] == 250.0 and prefix["ttft_p99_ms_range"] == (200.0, 300.0)
+    assert prefix["prefill_ms_per_1k_tokens"] == 150.0
+    assert router["runs"] == 1 and router["ttft_p50_ms"] == 80.0
+    table = real_routing.render([prefix, router])
+    assert "65.0 % (60.0-70.0)" in table and "250 (200-300)" in table
+
+
+@pytest.mark.parametrize("argv", [["--seeds", "x"], ["--configs", "nginx"], ["--seeds", ""],
+                                  ["--requests", "0"], ["--concurrency", "-1"]])
+def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        real_routing.parse_args(argv)
+    assert exit_.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_the_defaults_run_every_config_on_three_seeds() -> None:
+    args = real_routing.parse_args([])
+    assert args.seeds == [1, 2, 3]
+    assert args.configs == ["prefix", "prefix-events", "vllm-router", "sglang-router"]

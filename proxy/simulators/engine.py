@@ -44,12 +44,29 @@ class Histogram:
         return lines
 
 
-class Latencies:
-    """Time to first token and end-to-end latency of finished requests."""
+def buckets_1_2_5(largest: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `largest` (vLLM's `build_1_2_5_buckets`, which sizes
+    the prefill token histogram by the model's context)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > largest:
+                return tuple(out)
+            out.append(float(mantissa * scale))
+        scale *= 10
 
-    def __init__(self) -> None:
+
+class Latencies:
+    """Time to first token and end-to-end latency of finished requests; the time each spent
+    from being scheduled to its first token (vLLM's PREFILL phase) and the prompt tokens it
+    computed there (those not found cached)."""
+
+    def __init__(self, max_model_len: int) -> None:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.prefill = Histogram(E2E_BUCKETS)  # vLLM's request_latency_buckets, as e2e
+        self.computed = Histogram(buckets_1_2_5(max_model_len))
 
 
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"

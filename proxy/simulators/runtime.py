@@ -160,6 +160,10 @@ def _settle(state: SimState, ex: Exchange) -> None:
         now = time.monotonic()
         state.latency.e2e.observe(now - ex.started)
         state.latency.ttft.observe((ex.first_token or now) - ex.started)
+        if ex.seq is not None and ex.seq.first_token < math.inf:
+            seq = ex.seq
+            state.latency.prefill.observe(seq.first_token - seq.scheduled)
+            state.latency.computed.observe(seq.prompt_tokens - seq.cached_tokens)
         state.successes += 1
         state.prompt_tokens[ex.model] += ex.prompt_tokens
         for generation in ex.generations:

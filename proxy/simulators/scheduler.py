@@ -61,6 +61,7 @@ class Seq:
     budget: int  # what TGI reserves for it: prompt plus max new tokens
     cached_tokens: int = 0  # prompt tokens found in the prefix cache ...
     created_tokens: int = 0  # ... and written to it
+    scheduled: float = math.inf  # loop time it was scheduled (left the waiting queue)
     first_token: float = math.inf  # loop time its first token is due, once scheduled
     interval: float = 0.0  # seconds between its tokens
     priority: int = 0  # with --scheduling-policy priority: lower waits less (ties: arrival)
@@ -207,7 +208,7 @@ class Scheduler:
         prefill = (seq.prompt_tokens - seq.cached_tokens) * self._prefill_per_token
         if prefill > 0:  # after the prefills scheduled before it
             ready = self._prefill_free = max(now, self._prefill_free) + prefill
-        seq.first_token = ready + self._ttft
+        seq.scheduled, seq.first_token = now, ready + self._ttft
         seq.interval = self._interval
         self.running.add(seq)
         self._peak_private += seq.peak_private_blocks(self.block_size)

@@ -61,7 +61,7 @@ class SimState:
         self.generation_tokens: Counter[str] = Counter()
         self.rejected = 0  # vLLM admission rejections (queue full)
         self.engine = Scheduler(config, reserve_whole=kind == "tgi")
-        self.latency = Latencies()
+        self.latency = Latencies(config.max_model_len)
         # The engine died (vLLM: its EngineCore); then the port closes, as the server exits.
         self.dead = False
         # Stops listening (set by whoever runs the app: the CLI exits, a test stops its site).

@@ -294,6 +294,11 @@ async def metrics(request: web.Request) -> web.Response:
                   "Histogram of time to first token in seconds.", state.latency.ttft)
     out.histogram("vllm:e2e_request_latency_seconds",
                   "Histogram of e2e request latency in seconds.", state.latency.e2e)
+    out.histogram("vllm:request_prefill_time_seconds",
+                  "Histogram of time spent in PREFILL phase for request.", state.latency.prefill)
+    out.histogram("vllm:request_prefill_kv_computed_tokens",
+                  "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                  state.latency.computed)
     return web.Response(text=out.text(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -34,6 +34,7 @@ NEEDED_METRICS = {
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
     "vllm:num_preemptions_total", "vllm:admission_rejections_total",
     "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_prefill_kv_computed_tokens",
 }
 
 

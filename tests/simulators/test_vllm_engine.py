@@ -128,3 +128,38 @@ async def test_metrics_are_vllms_families_in_its_layout(simulator: SimulatorFact
     assert f"vllm:request_success_total{{{labels}}} 1.0" in text
     assert re.search(r'^vllm:e2e_request_latency_seconds_bucket\{engine="0",le="\+Inf",'
                      r'model_name="acme/small-chat"\} 1\.0$', text, re.M)
+
+
+async def test_prefill_time_and_computed_tokens_are_vllms_histograms(
+    simulator: SimulatorFactory
+) -> None:
+    """What docs/routing.md tells an operator to read for `prefill_ms_per_1k_tokens`: the time
+    from scheduling to the first token, and the prompt tokens computed (not found cached)."""
+    sim = await simulator(block_size=16, prefill_ms_per_1k_tokens=1000, ttft_ms=10,
+                          max_model_len=1024)
+    long = [{"role": "user", "content": "word " * 60}]  # 64 tokens, 48 of them cacheable
+    for _ in range(2):
+        status, _, _ = await chat(sim, messages=long, max_tokens=2)
+        assert status == 200
+    async with aiohttp.ClientSession() as session, session.get(sim.make_url("/metrics")) as r:
+        text = await r.text()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert types["vllm:request_prefill_time_seconds"] == "histogram"
+    assert types["vllm:request_prefill_kv_computed_tokens"] == "histogram"
+
+    def sample(name: str) -> float:
+        found = re.search(rf'^{name}\{{engine="0",model_name="acme/small-chat"\}} (\S+)$',
+                          text, re.M)
+        assert found is not None, name
+        return float(found.group(1))
+
+    assert sample("vllm:request_prefill_kv_computed_tokens_count") == 2.0
+    assert sample("vllm:request_prefill_kv_computed_tokens_sum") == 64.0 + 16.0
+    # 80 tokens at 1 ms each, plus the engine's 10 ms to a first token, twice.
+    assert sample("vllm:request_prefill_time_seconds_count") == 2.0
+    assert 0.099 < sample("vllm:request_prefill_time_seconds_sum") < 0.2
+    # The token histogram's buckets follow the context, as vLLM sizes them: 1, 2, 5 ... 1000.
+    bounds = re.findall(r'^vllm:request_prefill_kv_computed_tokens_bucket\{engine="0",'
+                        r'le="([^"]+)"', text, re.M)
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0",
+                      "1000.0", "+Inf"]

@@ -160,8 +160,7 @@ def _settle(state: SimState, ex: Exchange) -> None:
         now = time.monotonic()
         state.latency.e2e.observe(now - ex.started)
         state.latency.ttft.observe((ex.first_token or now) - ex.started)
-        if ex.seq is not None and ex.seq.first_token < math.inf:
-            seq = ex.seq
+        if (seq := ex.seq) is not None and seq.first_token < math.inf:
             state.latency.prefill.observe(seq.first_token - seq.scheduled)
             state.latency.computed.observe(seq.prompt_tokens - seq.cached_tokens)
         state.successes += 1

@@ -64,6 +64,5 @@ class Holdings:
         `spares`; None while a take is on its way (its grant would be missing)."""
         if self.asking:
             return None
-        held = Counter(self._running)
-        held.update(spares)
-        return self.asked, {name: n for name, n in held.items() if n > 0}
+        held = self._running + Counter(spares)  # positive counts only, as both hold
+        return self.asked, dict(held)

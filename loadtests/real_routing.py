@@ -1,21 +1,25 @@
 """Routing on real vLLM (issue 31): the gateway's `prefix` pick, with and without the engines'
-KV-cache events, beside vllm-router and sglang-router when they are installed.
+KV-cache events and its learned prefill price, beside vllm-router and sglang-router when they
+are installed.
 
     python -m loadtests.real_routing [--seeds 1,2,3] [--configs prefix,prefix-events,...]
         [--requests 240] [--concurrency 6] [--prefill-ms-per-1k-tokens N] [--json PATH]
+    (configs: prefix, prefix-events, vllm-router, sglang-router by default; prefix-fixed)
 
 For each seed and config, two fresh real vLLM replicas (the real-engine tier's tiny model and
 scripts, tests/support/real_engines.py: CPU, one core each, `--max-num-seqs 4`, a KV cache of
 128 blocks of 32 tokens, 4,096 tokens, so they evict), publishing their KV-cache events; in
 front of them a one-worker gateway routing by `prefix` (`prefix-events`: with `kv_events` on
-each backend) or a router with its cache-aware policy (loadtests/routers.py). The same seeded
+each backend; `prefix-fixed`: at its configured prefill price, `learn_prefill = false`) or a
+router with its cache-aware policy (loadtests/routers.py). The same seeded
 requests for every config: system prompts of ~410 tokens (random hex words, so that the
 tokenizer finds no shortcut) drawn by a Zipf law from 24, each followed by a short question,
 streamed, `--concurrency` at a time. Reported per config, mean and min-max over the seeds:
 the engines' own prefix-cache hit rate (`vllm:prefix_cache_hits_total / queries_total`),
-time to first token p50 and p99, errors, and the engines' prefill time per 1,000 tokens they
-computed (docs/routing.md's recipe for `prefill_ms_per_1k_tokens`; `--prefill-ms-per-1k-tokens`
-gives the gateway a figure other than its default). The configs run in a different order for
+time to first token p50 and p99, errors, the engines' prefill time per 1,000 tokens they
+computed (the sums' ratio), and the price the gateway learned from them at the end of the run
+(its pool's: the fastest engine's; `--prefill-ms-per-1k-tokens` gives the gateway a configured
+figure other than its default). The configs run in a different order for
 each seed (rotated), so that none always runs on the coolest machine.
 
 vLLM is installed and the model built on first use (~2 min; cached in $REAL_ENGINES_DIR, as
@@ -56,12 +60,14 @@ from tests.support.real_engines import SERVED, Engines, Replica
 ARGS = ("--max-num-seqs", "4", "--enable-prompt-tokens-details", "--block-size", "32",
         "--num-gpu-blocks-override", "128", "--enforce-eager")
 SLOTS = 4
-GATEWAY_CONFIGS = ("prefix", "prefix-events")
+GATEWAY_CONFIGS = ("prefix", "prefix-events", "prefix-fixed")
 CONFIGS = (*GATEWAY_CONFIGS, *routers.ROUTERS)
+DEFAULT_CONFIGS = ("prefix", "prefix-events", *routers.ROUTERS)
 PROMPTS = 24
 CHAT_PATH = "/v2/compat/v1/chat/completions"
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:request_prefill_time_seconds_sum", "vllm:prompt_tokens_total")
+LEARNED = "igw_engine_prefill_ms_per_1k_tokens"  # the gateway's fit, per engine
 
 
 def workload(seed: int, requests: int) -> list[list[dict[str, str]]]:
@@ -78,14 +84,15 @@ def workload(seed: int, requests: int) -> list[list[dict[str, str]]]:
     return out
 
 
-def counters(url: str) -> dict[str, float]:
+def counters(url: str, names: Sequence[str] = COUNTERS) -> dict[str, list[float]]:
+    """Each of `names` in the /metrics at `url`: its samples' values (every label set)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as page:
         text = page.read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
+    out: dict[str, list[float]] = {name: [] for name in names}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
+            out[name].append(float(line.rsplit(" ", 1)[1]))
     return out
 
 
@@ -142,7 +149,8 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         else:
             port = free_port()
             folder = work / f"{config}-{seed}-config"
-            routing: dict[str, str | float] = {"pick": "prefix"}
+            routing: dict[str, str | float | bool] = {"pick": "prefix",
+                                                      "learn_prefill": config != "prefix-fixed"}
             if args.prefill_ms_per_1k_tokens is not None:
                 routing["prefill_ms_per_1k_tokens"] = args.prefill_ms_per_1k_tokens
             gateway_config = write_gateway_config(
@@ -159,13 +167,17 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         ttfts, errors = asyncio.run(drive(url, keys, workload(seed, args.requests),
                                           args.concurrency))
         after = [counters(r.url) for r in replicas]
+        # The gateway's price at the end: its pool's, the least of its engines' fitted ones.
+        learned = min(counters(url.removesuffix(CHAT_PATH), [LEARNED])[LEARNED],
+                      default=float("nan")) if config in GATEWAY_CONFIGS else float("nan")
     hits, queries, prefill_s, prompt = (
-        sum(a[name] - b[name] for a, b in zip(after, before, strict=True)) for name in COUNTERS)
-    # What docs/routing.md tells an operator to set `prefill_ms_per_1k_tokens` to.
-    computed = prompt - hits
+        sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
+        for name in COUNTERS)
+    computed = prompt - hits  # the sums' ratio (fixed costs in), what an operator reads by hand
     return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts),
             "hit_rate": hits / queries if queries else float("nan"),
             "prefill_ms_per_1k_tokens": prefill_s / computed * 1e6 if computed else float("nan"),
+            "learned_ms_per_1k_tokens": learned,
             "ttft_p50_ms": loadgen.percentile(ttfts, 50) * 1000,
             "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
 
@@ -176,7 +188,8 @@ def summarise(runs: Sequence[dict[str, Any]], configs: Sequence[str]) -> list[di
         mine = [r for r in runs if r["config"] == config]
         row: dict[str, Any] = {"config": config, "runs": len(mine),
                                "errors": sum(r["errors"] for r in mine)}
-        for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "prefill_ms_per_1k_tokens"):
+        for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "prefill_ms_per_1k_tokens",
+                    "learned_ms_per_1k_tokens"):
             values = [r[key] for r in mine]
             row[key] = sum(values) / len(values)
             row[key + "_range"] = (min(values), max(values))
@@ -186,14 +199,16 @@ def summarise(runs: Sequence[dict[str, Any]], configs: Sequence[str]) -> list[di
 
 def render(rows: Sequence[dict[str, Any]]) -> str:
     lines = [f"{'config':<15} {'hit rate (min-max)':>22} {'TTFT p50 ms':>12} "
-             f"{'TTFT p99 ms (min-max)':>24} {'errors':>7} {'prefill ms/1k':>14}"]
+             f"{'TTFT p99 ms (min-max)':>24} {'errors':>7} {'prefill ms/1k':>14} "
+             f"{'learned ms/1k':>14}"]
     for r in rows:
         low, high = r["hit_rate_range"]
         p99_low, p99_high = r["ttft_p99_ms_range"]
         lines.append(f"{r['config']:<15} {100 * r['hit_rate']:>6.1f} % "
                      f"({100 * low:.1f}-{100 * high:.1f}) {r['ttft_p50_ms']:>12.0f} "
                      f"{r['ttft_p99_ms']:>10.0f} ({p99_low:.0f}-{p99_high:.0f}) "
-                     f"{r['errors']:>7} {r['prefill_ms_per_1k_tokens']:>14.0f}")
+                     f"{r['errors']:>7} {r['prefill_ms_per_1k_tokens']:>14.0f} "
+                     f"{r['learned_ms_per_1k_tokens']:>14.0f}")
     return "\n".join(lines)
 
 
@@ -201,7 +216,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.real_routing",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="1,2,3", help="comma-separated (default 1,2,3)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated among {', '.join(CONFIGS)} (routers when installed)")
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--concurrency", type=int, default=6)

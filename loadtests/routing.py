@@ -71,8 +71,10 @@ PICKS = ("p2c", "engine", "prefix")  # the gateway's
 # "prefix" told what the engines evict by their KV-cache events (kv_events in backends.toml;
 # the simulators publish them as vLLM does): run when named in --picks.
 EVENTS = "prefix-events"
+# "prefix" at its configured prefill price (`learn_prefill = false`), not the engines' fitted one.
+FIXED = "prefix-fixed"
 DEFAULT_CONFIGS = (*PICKS, *routers.ROUTERS)  # and the Rust routers (issue 31)
-CONFIGS = (*DEFAULT_CONFIGS, EVENTS)
+CONFIGS = (*DEFAULT_CONFIGS, EVENTS, FIXED)
 WORKLOADS = ("starts", "sessions")
 # The figures --runs N reports as mean and min-max.
 SPREAD = ("ttft_p50_ms", "ttft_p99_ms", "latency_p99_ms", "completed_per_s",
@@ -458,7 +460,8 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
                       for i, (_, url) in enumerate(sims)],
             # Routing, not the ledger's fsync, is measured: keep the disk off the path.
             ledger_fsync="everysec",
-            routing={"pick": "prefix" if pick == EVENTS else pick, **args.score})
+            routing={"pick": "prefix" if pick in (EVENTS, FIXED) else pick,
+                     **({"learn_prefill": False} if pick == FIXED else {}), **args.score})
         gateway = start("gateway", gateway_args(config, port, workers=WORKERS))
         wait_ready(f"http://127.0.0.1:{port}/readyz", server=gateway)
         gateway_worker_pids(gateway.pid, WORKERS)
@@ -659,7 +662,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--picks", default=",".join(DEFAULT_CONFIGS), metavar="LIST",
                    help=f"comma-separated configs to run (default {','.join(DEFAULT_CONFIGS)}; "
                    f"a router that is not installed is skipped, unless --routers; {EVENTS}: "
-                   "prefix, told what the engines evict by their KV-cache events)")
+                   f"prefix, told what the engines evict by their KV-cache events; {FIXED}: "
+                   "prefix at the configured prefill price, not the engines' fitted one)")
     p.add_argument("--routers", action="store_true",
                    help="require the routers among --picks to be installed (exit 2 if not)")
     p.add_argument("--workload", choices=WORKLOADS, default="starts", dest="workload_name",

@@ -185,7 +185,7 @@ class Backend:
 
 def write_gateway_config(folder: Path, *, port: int, backends: Sequence[Backend],
                          ledger_fsync: str = "always", access_log: str = "stderr",
-                         routing: Mapping[str, str | float] | None = None,
+                         routing: Mapping[str, str | float | bool] | None = None,
                          limits: bool = False, traces_to: str | None = None,
                          sample_ratio: float = 1.0, shadow: bool = False) -> Path:
     """A config whose embedded redis-servers live in `folder` (JSON strings are valid TOML basic

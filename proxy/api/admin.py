@@ -406,6 +406,10 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "engine": None if load is None else {
             "waiting": load.waiting, "running": load.running, "kv_cache_usage": load.kv,
             "age_s": round(time.time() - load.at, 3)},
+        # Its prefill price, fitted from its engine's figures (null: none yet; vLLM only).
+        "prefill": None if (fit := backend.prefill).per_token_s is None else {
+            "ms_per_1k_tokens": round(fit.per_token_s * 1e6, 1),
+            "fixed_ms": round((fit.fixed_s or 0.0) * 1e3, 1)},
     }
 
 

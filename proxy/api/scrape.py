@@ -36,7 +36,7 @@ from proxy.upstream.pool import Backend
 # Read at scrape time (not counted by the workers): the dashboard's test checks against these.
 SCRAPE_TIME_METRICS = ("igw_backend_up", "igw_backend_state", "igw_backend_restarts",
                        "igw_task_queue_depth", "igw_engine_waiting", "igw_engine_running",
-                       "igw_engine_kv_cache_usage")
+                       "igw_engine_kv_cache_usage", "igw_engine_prefill_ms_per_1k_tokens")
 _STATES = (STARTING, READY, UNHEALTHY, BACKING_OFF, STOPPED)
 
 log = logging.getLogger("proxy.observe")
@@ -89,7 +89,9 @@ def backend_families(backends: Iterable[Backend]) -> list[Metric]:
                   ("waiting", "Requests waiting in the engine's own queue (vLLM, TGI)."),
                   ("running", "Requests in the engine's running batch (vLLM, TGI)."),
                   ("kv_cache_usage", "Share of the engine's KV cache in use, 0-1 (vLLM; TGI: "
-                                     "of its batch token budget)."))}
+                                     "of its batch token budget)."),
+                  ("prefill_ms_per_1k_tokens", "The engine's prefill time per 1,000 prompt "
+                                               "tokens, fitted from its own figures (vLLM)."))}
     for backend in backends:
         load = backend.load(now)
         if load is not None:  # fresh figures only: a gap shows a scrape that failed
@@ -97,6 +99,9 @@ def backend_families(backends: Iterable[Backend]) -> list[Metric]:
             engine["running"].add_metric((backend.name,), load.running)
             if load.kv is not None:
                 engine["kv_cache_usage"].add_metric((backend.name,), load.kv)
+        if backend.prefill.per_token_s is not None:
+            engine["prefill_ms_per_1k_tokens"].add_metric((backend.name,),
+                                                          backend.prefill.per_token_s * 1e6)
         for model in backend.spec.models:
             up.add_metric((backend.name, model, backend.spec.kind),
                           1.0 if backend.healthy else 0.0)

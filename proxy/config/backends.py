@@ -195,6 +195,9 @@ class RoutingSection(Section, frozen=True):
     # a replica's wait; and the KV cache of an engine that does not report its own (vLLM's
     # `vllm:cache_config_info`), in tokens.
     prefill_ms_per_1k_tokens: Annotated[float, msgspec.Meta(ge=0, le=100_000)] = 60.0
+    # Learn that price from each vLLM engine's own prefill figures (its fastest replica's),
+    # the configured one standing until they show it (proxy.upstream.prefill_price).
+    learn_prefill: bool = True
     cache_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000_000)] = 1_000_000
     # The engine load score: waiting, running, KV-cache use (0-1), and the requests this worker
     # sent since the last read of the engine's figures.

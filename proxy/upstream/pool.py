@@ -38,6 +38,7 @@ from proxy.upstream.fleet_state import READY, FleetRecord
 from proxy.upstream.health import BackendHealth, EjectionPolicy, ejection_allowed
 from proxy.upstream.http1 import Target
 from proxy.upstream.kv_blocks import EngineBlocks
+from proxy.upstream.prefill_price import PrefillFit
 from proxy.upstream.prefixes import PrefixIndex, Prompt
 from proxy.upstream.routing import (
     PickKind,
@@ -82,8 +83,8 @@ class Backend:
 
     __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "batch_inputs",
                  "cache_tokens", "completion_rate", "forward", "health", "kv", "max_ejected_ratio",
-                 "max_model_len", "name", "outstanding", "peers", "prefill_until", "probed",
-                 "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
+                 "max_model_len", "name", "outstanding", "peers", "prefill", "prefill_until",
+                 "probed", "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
 
     def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
         settings = settings or HealthSection()
@@ -123,6 +124,7 @@ class Backend:
         self.wake: Callable[[], None] | None = None  # set by the prober: probe this one now
         self.cache_tokens: int | None = None  # its KV cache, as its engine reports it
         self.prefill_until = 0.0  # monotonic time its prefills sent so far end (estimated)
+        self.prefill = PrefillFit()  # what a prompt token costs it, from its engine's figures
         # Its engine's own word on its KV cache, where it publishes one (`kv_events`).
         self.kv = EngineBlocks(self.name) if spec.kv_events else None
 
@@ -183,6 +185,7 @@ class Backend:
         reads spanning `_SERVICE_SAMPLE` completions its time per request."""
         old = self.signals
         self.signals = signals
+        self.prefill.take(signals.prefill if signals is not None else None)
         if signals is not None and signals.cache_tokens:
             self.cache_tokens = int(signals.cache_tokens)
         if (signals is None or old is None or signals.at <= old.at
@@ -250,8 +253,8 @@ class Saturation:
 class Pool:
     """The backends that can serve one model for one task family."""
 
-    __slots__ = ("_named", "backends", "index", "key", "model", "on_placed", "pick_kind",
-                 "prefill_s_per_token", "weights")
+    __slots__ = ("_named", "_prefill_s_per_token", "backends", "index", "key", "learn_prefill",
+                 "model", "on_placed", "pick_kind", "weights")
 
     def __init__(self, model: str, backends: Sequence[Backend], pick_kind: PickKind = "p2c",
                  routing: RoutingSection | None = None, key: str | None = None) -> None:
@@ -264,11 +267,23 @@ class Pool:
         self.pick_kind: PickKind = pick_kind
         r = routing or RoutingSection()
         self.weights = Weights.of(r)
-        self.prefill_s_per_token = r.prefill_ms_per_1k_tokens / 1e6
+        self._prefill_s_per_token = r.prefill_ms_per_1k_tokens / 1e6
+        self.learn_prefill = r.learn_prefill
         # What its replicas hold, for "prefix" (proxy.upstream.prefixes), and who hears of
         # each placement (the other workers: proxy.upstream.prefix_share).
         self.index = PrefixIndex(r.cache_tokens) if pick_kind == "prefix" else None
         self.on_placed: Callable[[Pool, Backend, Prompt], None] | None = None
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        """What prefilling a prompt token costs on its fastest replica: the least of what its
+        engines' own figures show (`learn_prefill`; proxy.upstream.prefill_price), else
+        `prefill_ms_per_1k_tokens`."""
+        if self.learn_prefill:
+            learned = [b.prefill.per_token_s for b in self.backends if b.prefill.per_token_s]
+            if learned:
+                return min(learned)
+        return self._prefill_s_per_token
 
     @property
     def healthy(self) -> bool:

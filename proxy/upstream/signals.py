@@ -6,7 +6,9 @@ vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cach
 `tgi_batch_current_size`, and the batch's share of its token budget
 (`tgi_batch_current_max_tokens` / `tgi_batch_max_total_tokens`) standing in for KV use. Both
 count completed requests (`vllm:request_success_total`, `tgi_request_success`), from which the
-workers learn each engine's completion rate. Other
+workers learn each engine's completion rate; vLLM's prefill histograms' sums and counts
+(`vllm:request_prefill_time_seconds`, `vllm:request_prefill_kv_computed_tokens`) give its price
+of a prompt token (proxy.upstream.prefill_price). Other
 kinds publish nothing a router can use; their backends are picked on outstanding counts.
 """
 
@@ -15,11 +17,16 @@ from __future__ import annotations
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.upstream.prefill_price import PrefillTotals
+
 SIGNAL_KINDS = frozenset({"vllm", "tgi"})
 SIGNALS_FRESH_S = 2.0  # a snapshot older than this is not used (the master's hash expires too)
 MAX_TEXT = 4 * 1024 * 1024  # a /metrics answer larger than this is not an engine's
 _VLLM = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
-         "vllm:kv_cache_usage_perc": "kv", "vllm:request_success_total": "done"}
+         "vllm:kv_cache_usage_perc": "kv", "vllm:request_success_total": "done",
+         "vllm:request_prefill_time_seconds_count": "prefills",
+         "vllm:request_prefill_time_seconds_sum": "prefill_s",
+         "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens"}
 _TGI = {"tgi_queue_size": "waiting", "tgi_batch_current_size": "running",
         "tgi_batch_current_max_tokens": "batch_tokens", "tgi_batch_max_total_tokens": "budget",
         "tgi_request_success": "done"}
@@ -34,6 +41,8 @@ class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
     at: float
     done: float | None = None  # requests the engine has completed since it started (a counter)
     cache_tokens: float | None = None  # the KV cache's size, in tokens (vLLM)
+    # vLLM's prefills so far: requests, their seconds and the prompt tokens computed (counters)
+    prefill: PrefillTotals | None = None
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
@@ -76,7 +85,15 @@ def parse_signals(kind: str, text: str, at: float) -> EngineSignals | None:
         kv = found["batch_tokens"] / budget if budget and "batch_tokens" in found else None
     return EngineSignals(waiting=found["waiting"], running=found["running"],
                          kv=None if kv is None else min(1.0, kv), at=at, done=found.get("done"),
-                         cache_tokens=found.get("cache_tokens") or None)
+                         cache_tokens=found.get("cache_tokens") or None,
+                         prefill=_prefill(found))
+
+
+def _prefill(found: dict[str, float]) -> PrefillTotals | None:
+    if not all(k in found for k in ("prefills", "prefill_s", "prefill_tokens")):
+        return None
+    return PrefillTotals(requests=found["prefills"], seconds=found["prefill_s"],
+                         tokens=found["prefill_tokens"])
 
 
 def _cache_tokens(labels: dict[str, str]) -> float:

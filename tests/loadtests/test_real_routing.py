@@ -27,20 +27,23 @@ def test_the_workload_is_seeded_and_draws_the_popular_system_prompts_most() -> N
 
 def test_the_summary_is_the_mean_and_range_of_each_configs_runs() -> None:
     runs = [{"config": "prefix", "seed": s, "errors": e, "requests": 240, "hit_rate": h,
-             "ttft_p50_ms": p50, "ttft_p99_ms": p99, "prefill_ms_per_1k_tokens": 100.0 * s}
+             "ttft_p50_ms": p50, "ttft_p99_ms": p99, "prefill_ms_per_1k_tokens": 100.0 * s,
+             "learned_ms_per_1k_tokens": 50.0 * s}
             for s, e, h, p50, p99 in ((1, 0, 0.6, 90.0, 300.0), (2, 1, 0.7, 100.0, 200.0))]
     runs.append({"config": "vllm-router", "seed": 1, "errors": 0, "requests": 240,
                  "hit_rate": 0.5, "ttft_p50_ms": 80.0, "ttft_p99_ms": 900.0,
-                 "prefill_ms_per_1k_tokens": 90.0})
+                 "prefill_ms_per_1k_tokens": 90.0, "learned_ms_per_1k_tokens": float("nan")})
     [prefix, router] = real_routing.summarise(runs, ["prefix", "vllm-router"])
     assert prefix["runs"] == 2 and prefix["errors"] == 1
     assert prefix["hit_rate"] == pytest.approx(0.65)
     assert prefix["hit_rate_range"] == (0.6, 0.7)
     assert prefix["ttft_p99_ms"] == 250.0 and prefix["ttft_p99_ms_range"] == (200.0, 300.0)
     assert prefix["prefill_ms_per_1k_tokens"] == 150.0
+    assert prefix["learned_ms_per_1k_tokens"] == 75.0
     assert router["runs"] == 1 and router["ttft_p50_ms"] == 80.0
     table = real_routing.render([prefix, router])
     assert "65.0 % (60.0-70.0)" in table and "250 (200-300)" in table
+    assert table.splitlines()[1].split()[-2:] == ["150", "75"]  # the sums' ratio; the fit
 
 
 @pytest.mark.parametrize("argv", [["--seeds", "x"], ["--configs", "nginx"], ["--seeds", ""],

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.store.redis_process import RedisProcess
 from tests.support.config_files import MODEL
-from tests.support.fleet import Stack
+from tests.support.fleet import ADMIN, Stack
 from tests.support.upstreams import SimulatorFactory, sim_requests
 
 CHAT = "/v2/compat/v1/chat/completions"
@@ -121,3 +121,38 @@ async def test_a_replica_whose_queue_is_full_gets_nothing_until_it_drains(
         await drain(hung, queued)
     finally:
         await direct.close()
+
+
+async def test_the_gateway_learns_an_engines_prefill_price_from_its_figures(
+        tmp_path: Path, clean_redis: RedisProcess, simulator: SimulatorFactory,
+        stacks: list[Stack]) -> None:
+    """The engine's prefill histograms, read by the master and fitted by every worker, give
+    the price `prefix` weighs waits against, shown in /admin/backends."""
+    sims = [await simulator("vllm", prefill_ms_per_1k_tokens=150, ttft_ms=30,
+                            default_completion_tokens=2)]
+    gateway = serving(sims, tmp_path, clean_redis.url)
+    stacks.append(gateway)
+    await asyncio.to_thread(gateway.ready)
+    async with aiohttp.ClientSession() as session:
+        async def prefill_view() -> dict[str, Any] | None:
+            async with session.get(gateway.url + "/admin/backends", headers=ADMIN) as r:
+                [view] = (await r.json())["data"]
+                return view["prefill"]  # type: ignore[no-any-return]
+
+        assert await prefill_view() is None  # nothing to learn from yet
+        for n in range(30):  # prompts of 20 to ~1,000 words (the simulator's tokens), none alike
+            words = 20 + (n * 613) % 1000
+            async with session.post(gateway.url + CHAT, json=body(
+                    f"Prompt {n}: " + "lorem " * words, "Hello there")) as r:
+                assert r.status == 200, await r.text()
+        for _ in range(20):  # each worker fits what the master's next reads show
+            views = [await prefill_view() for _ in range(4)]
+            if all(views):
+                break
+            await asyncio.sleep(0.25)
+        async with session.get(gateway.url + "/metrics") as r:  # and Prometheus
+            assert 'igw_engine_prefill_ms_per_1k_tokens{backend="r0"} 1' in await r.text()
+    for view in views:
+        assert view is not None, views
+        assert 135 <= view["ms_per_1k_tokens"] <= 165, views  # the engine's 150
+        assert 25 <= view["fixed_ms"] <= 45, views  # its 30 (and a decode step)

@@ -345,12 +345,18 @@ class PickRun:
     # Requests that waited for a busy replica holding their prompt, by how that ended
     # (the gateway's igw_prefix_holder_waits_total, warm-up included); none for a router.
     holder_waits: dict[str, float] = field(default_factory=dict)
+    # The prefill price per replica the gateway fitted from its engine's figures by the end
+    # (igw_engine_prefill_ms_per_1k_tokens, the worker that answered); none for a router.
+    prefill_ms: dict[str, float] = field(default_factory=dict)
 
-    def read_holder_waits(self, metrics_text: str) -> None:
+    def read_gateway_metrics(self, metrics_text: str) -> None:
         for line in metrics_text.splitlines():
             if line.startswith("igw_prefix_holder_waits_total{"):
                 outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
                 self.holder_waits[outcome] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("igw_engine_prefill_ms_per_1k_tokens{"):
+                backend = line.split('backend="', 1)[1].split('"', 1)[0]
+                self.prefill_ms[backend] = float(line.rsplit(" ", 1)[1])
 
     def read_access_log(self, path: Path) -> None:
         """The gateway's own view, per backend: each counted request's time to first content
@@ -410,6 +416,7 @@ class PickRun:
             "core_busy_pct": self.busy_pct,
             "load_average_1m": {"before": self.load_average[0], "after": self.load_average[1]},
             "holder_waits": self.holder_waits,
+            "learned_prefill_ms_per_1k_tokens": self.prefill_ms,
         }
 
 
@@ -475,7 +482,7 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
         time.sleep(0.2)  # the access log is written in batches every 0.05 s
         run.read_access_log(gateway.log_path)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-            run.read_holder_waits(page.read().decode())
+            run.read_gateway_metrics(page.read().decode())
         return run
 
 
@@ -580,6 +587,11 @@ def render(doc: dict[str, Any]) -> str:
     def per_replica(p: dict[str, Any], key: str, fmt: str) -> str:
         return "/".join(format(r[key], fmt) for r in p["replicas"])
 
+    def learned(p: dict[str, Any]) -> str:  # "-": not fitted (yet)
+        prices = p.get("learned_prefill_ms_per_1k_tokens", {})
+        return "/".join(f"{prices[name]:.0f}" if name in prices else "-"
+                        for name in map(replica_name, range(len(p["replicas"]))))
+
     rows: list[tuple[str, ...]] = [
         ("routed by", *(picks[n]["routed_by"] for n in names)),
         ("requests counted", *(str(picks[n]["requests"]) for n in names)),
@@ -612,6 +624,8 @@ def render(doc: dict[str, Any]) -> str:
             "{:.0f}/{:.0f}".format(*(picks[n]["holder_waits"].get(k, 0.0)
                                      for k in ("holder", "elsewhere")))
             if picks[n]["routed_by"] == "gateway" else "-" for n in names)),
+        ("learned prefill ms/1k per replica", *(
+            learned(picks[n]) if picks[n]["routed_by"] == "gateway" else "-" for n in names)),
         ("client lag p99 ms", *(f"{picks[n]['lag_p99_ms']:.1f}" for n in names)),
         ("cores busy %", *("/".join(f"{v:.0f}" for v in picks[n]["core_busy_pct"].values())
                            for n in names)),

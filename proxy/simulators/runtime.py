@@ -161,7 +161,7 @@ def _settle(state: SimState, ex: Exchange) -> None:
         state.latency.e2e.observe(now - ex.started)
         state.latency.ttft.observe((ex.first_token or now) - ex.started)
         if (seq := ex.seq) is not None and seq.first_token < math.inf:
-            state.latency.prefill.observe(seq.first_token - seq.scheduled)
+            state.latency.prefill.observe(seq.first_token - seq.prefill_started)
             state.latency.computed.observe(seq.prompt_tokens - seq.cached_tokens)
         state.successes += 1
         state.prompt_tokens[ex.model] += ex.prompt_tokens

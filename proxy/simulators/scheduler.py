@@ -62,6 +62,10 @@ class Seq:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache ...
     created_tokens: int = 0  # ... and written to it
     scheduled: float = math.inf  # loop time it was scheduled (left the waiting queue)
+    # Loop time its own prefill began (after the prefills ahead of it): where vLLM's prefill
+    # clock starts, since vLLM schedules a prompt's tokens only within a step's token budget,
+    # and a request waiting for that budget is still in its queue, not in prefill.
+    prefill_started: float = math.inf
     first_token: float = math.inf  # loop time its first token is due, once scheduled
     interval: float = 0.0  # seconds between its tokens
     priority: int = 0  # with --scheduling-policy priority: lower waits less (ties: arrival)
@@ -204,11 +208,12 @@ class Scheduler:
         seq.created_tokens = (len(seq.hashes) - hit) * self.block_size
         self.queries += seq.prompt_tokens
         self.hits += seq.cached_tokens
-        ready = now
+        ready = start = now
         prefill = (seq.prompt_tokens - seq.cached_tokens) * self._prefill_per_token
         if prefill > 0:  # after the prefills scheduled before it
-            ready = self._prefill_free = max(now, self._prefill_free) + prefill
-        seq.scheduled, seq.first_token = now, ready + self._ttft
+            start = max(now, self._prefill_free)
+            ready = self._prefill_free = start + prefill
+        seq.scheduled, seq.prefill_started, seq.first_token = now, start, ready + self._ttft
         seq.interval = self._interval
         self.running.add(seq)
         self._peak_private += seq.peak_private_blocks(self.block_size)

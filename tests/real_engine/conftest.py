@@ -31,16 +31,14 @@ from tests.support.processes import free_port
 from tests.support.real_engines import (
     EMBED_ARGS,
     EMBED_SCRIPT,
-    MAX_MODEL_LEN,
     WHISPER_ARGS,
     WHISPER_SCRIPT,
     Engines,
     EngineSetupError,
     Replica,
 )
+from tests.support.setup_times import SETUP_TIMES
 from tests.support.trace_backend import TraceBackend, TraceBackendError
-
-_TIMES: list[str] = []  # for the terminal summary: what the tier's setup cost this run
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +70,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory, trace_backend_starting: Tr
     except TraceBackendError as exc:
         fleet.stop()
         pytest.fail(f"the real-engine tier cannot run its trace backend: {exc}", pytrace=False)
-    _TIMES.append(f"install/build check {fleet.prepare_s:.1f} s; replicas ready in "
-                  + ", ".join(f"{r.started_s:.1f} s" for r in fleet.replicas)
-                  + f"; then waited {time.monotonic() - waiting:.1f} s for the trace backend")
+    SETUP_TIMES.append(f"install/build check {fleet.prepare_s:.1f} s; replicas ready in "
+                       + ", ".join(f"{r.started_s:.1f} s" for r in fleet.replicas)
+                       + f"; then waited {time.monotonic() - waiting:.1f} s for the trace "
+                       "backend")
     yield fleet
     fleet.stop()
 
@@ -88,8 +87,8 @@ def replicas(engines: Engines) -> Engines:
     except EngineSetupError as exc:
         pytest.fail(f"the real-engine tier cannot run: {exc}", pytrace=False)
     if restarting:
-        _TIMES.append("restarted " + ", ".join(f"{r.name} in {r.started_s:.1f} s"
-                                               for r in restarting))
+        SETUP_TIMES.append("restarted " + ", ".join(f"{r.name} in {r.started_s:.1f} s"
+                                                    for r in restarting))
     return engines
 
 
@@ -105,8 +104,8 @@ def whisper_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines
     except EngineSetupError as exc:
         pytest.fail(f"the real-engine tier cannot run its Whisper replica: {exc}",
                     pytrace=False)
-    _TIMES.append(f"whisper: install/build check {fleet.prepare_s:.1f} s, ready in "
-                  f"{replica.started_s:.1f} s")
+    SETUP_TIMES.append(f"whisper: install/build check {fleet.prepare_s:.1f} s, ready in "
+                       f"{replica.started_s:.1f} s")
     yield fleet
     fleet.stop()
 
@@ -122,7 +121,7 @@ def whisper(whisper_engine: Engines, request: pytest.FixtureRequest) -> Iterator
         pytest.fail(f"the real-engine tier cannot run its Whisper replica: {exc}",
                     pytrace=False)
     if restarting and fleet[0].starts > 1:
-        _TIMES.append(f"whisper: restarted in {fleet[0].started_s:.1f} s")
+        SETUP_TIMES.append(f"whisper: restarted in {fleet[0].started_s:.1f} s")
     yield fleet[0]
     if not _asked_later(request, "whisper"):
         fleet.stop()  # nothing later needs it: free its cores and RAM for the chat replicas
@@ -154,8 +153,8 @@ def embed_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     except BaseException:
         fleet.stop()
         raise
-    _TIMES.append(f"embeddings: install/build check {fleet.prepare_s:.1f} s, ready in "
-                  f"{fleet[0].started_s:.1f} s from its start")
+    SETUP_TIMES.append(f"embeddings: install/build check {fleet.prepare_s:.1f} s, ready in "
+                       f"{fleet[0].started_s:.1f} s from its start")
     yield fleet
     fleet.stop()
 
@@ -191,9 +190,3 @@ def _asked_in(items: list[pytest.Item], fixture: str) -> bool:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     while _EARLY_EMBED:  # launched and never taken (an interrupted run)
         _EARLY_EMBED.pop().stop()
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _TIMES:
-        terminalreporter.write_line(f"real engines (max_model_len {MAX_MODEL_LEN}): "
-                                    + "; ".join(_TIMES))

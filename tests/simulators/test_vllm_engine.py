@@ -133,8 +133,9 @@ async def test_metrics_are_vllms_families_in_its_layout(simulator: SimulatorFact
 async def test_prefill_time_and_computed_tokens_are_vllms_histograms(
     simulator: SimulatorFactory
 ) -> None:
-    """What docs/routing.md tells an operator to read for `prefill_ms_per_1k_tokens`: the time
-    from scheduling to the first token, and the prompt tokens computed (not found cached)."""
+    """What the gateway fits an engine's prefill price from (proxy.upstream.prefill_price): the
+    time from the start of a request's prefill to its first token, and the prompt tokens
+    computed (not found cached)."""
     sim = await simulator(block_size=16, prefill_ms_per_1k_tokens=1000, ttft_ms=10,
                           max_model_len=1024)
     long = [{"role": "user", "content": "word " * 60}]  # 64 tokens, 48 of them cacheable
@@ -163,3 +164,22 @@ async def test_prefill_time_and_computed_tokens_are_vllms_histograms(
                         r'le="([^"]+)"', text, re.M)
     assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0",
                       "1000.0", "+Inf"]
+
+
+async def test_a_wait_for_the_prefills_ahead_is_not_prefill_time(
+    simulator: SimulatorFactory
+) -> None:
+    """vLLM keeps a request in its queue until a step's token budget takes its prompt, so its
+    prefill clock starts with its own prefill: two prompts sent at once, the second prefilled
+    after the first, count each one's own prefill, not the second's wait as well."""
+    sim = await simulator(prefill_ms_per_1k_tokens=1000, ttft_ms=10, max_concurrency=2)
+    prompts = [[{"role": "user", "content": f"prompt{i} " + "word " * 200}] for i in range(2)]
+    answers = await asyncio.gather(*(chat(sim, messages=m, max_tokens=1) for m in prompts))
+    assert [status for status, _, _ in answers] == [200, 200]
+    async with aiohttp.ClientSession() as session, session.get(sim.make_url("/metrics")) as r:
+        text = await r.text()
+    found = re.search(r'^vllm:request_prefill_time_seconds_sum\{engine="0",'
+                      r'model_name="acme/small-chat"\} (\S+)$', text, re.M)
+    assert found is not None
+    # Each about 0.2 s of its own tokens and 0.01 s; with the second's wait, 0.2 s more.
+    assert 0.4 < float(found.group(1)) < 0.5

@@ -21,28 +21,17 @@ pytest_plugins = [
     "tests.support.object_store",  # s3_server (session), s3_bucket
     "tests.support.trace_backend",  # trace_backend (session): Phoenix, a real OTLP backend
     "tests.support.setup_times",  # the real-engine tier's setup times, at the end of the run
+    "tests.support.parallel",  # scripts/test's two workers: a module, and the tier, on one
 ]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-engine tier runs last, so its replicas live only while it runs (they start on
     first use and stop at the session's end), and within it the tests that kill an engine run
-    after the others, which then need no restart.
-
-    Across pytest-xdist's workers (scripts/test: `-n 2 --dist loadgroup`) each module is one
-    unit of work, so its module-scoped fixtures start once, and the whole tier is one, on one
-    worker, so its replicas start once; the largest units go first (xdist's own order), the
-    tier among them, while the other worker takes the modules one by one."""
+    after the others, which then need no restart."""
 
     def rank(item: pytest.Item) -> tuple[bool, bool]:
         return (item.get_closest_marker("real_engine") is not None,
                 item.get_closest_marker("kills_engine") is not None)
 
     items.sort(key=rank)  # stable: the rest keep their order
-    for item in items:
-        if item.get_closest_marker("real_engine") is not None:
-            item.add_marker(pytest.mark.xdist_group("real_engine"))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-

@@ -26,12 +26,15 @@ pytest_plugins = [
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The real-engine tier runs last, so its replicas live only while it runs (they start on
-    first use and stop at the session's end), and within it the tests that kill an engine run
-    after the others, which then need no restart."""
+    """The real-engine tier runs first, then the `long` tests, then the rest in their order:
+    on scripts/test's two workers (tests/support/parallel.py) the longest units start at once,
+    side by side, and the short modules fill in after, so no long one is left running alone at
+    the end. Within the tier the tests that kill an engine run after the others, which then need
+    no restart; its replicas stop after its last test (tests/real_engine/conftest.py)."""
 
-    def rank(item: pytest.Item) -> tuple[bool, bool]:
-        return (item.get_closest_marker("real_engine") is not None,
+    def rank(item: pytest.Item) -> tuple[bool, bool, bool]:
+        return (item.get_closest_marker("real_engine") is None,
+                item.get_closest_marker("long") is None,
                 item.get_closest_marker("kills_engine") is not None)
 
     items.sort(key=rank)  # stable: the rest keep their order

@@ -11,13 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+# A unix socket's address holds at most 107 bytes (Linux's sun_path, its NUL aside); redis-server
+# binds a longer path cut short, where nobody looks for it.
+MAX_SOCKET_PATH = 107
+
+
+def socket_path(data_dir: Path) -> Path:
+    """`data_dir`/redis.sock; where that is too long for a socket's address, redis.sock in a
+    private folder of the temp dir named after `data_dir` (the same one at every start)."""
+    path = data_dir / "redis.sock"
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    digest = hashlib.sha256(os.fsencode(data_dir.resolve())).hexdigest()[:24]
+    return Path(tempfile.gettempdir()) / f"igw-redis-{digest}" / "redis.sock"
 
 
 def redis_server_binary() -> str:
@@ -40,7 +56,7 @@ class RedisProcess:
         self.port = port
         self.fsync = fsync
         self.persistent = persistent
-        self.socket_path = data_dir / "redis.sock"
+        self.socket_path = socket_path(data_dir)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -71,6 +87,7 @@ class RedisProcess:
         """The data dir exists, and a socket file left by a dead server is out of the way."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
+            self.socket_path.parent.mkdir(mode=0o700, exist_ok=True)
             self._claim_socket()
 
     def start(self, timeout: float = 10.0) -> str:

@@ -136,6 +136,7 @@ def finished_speech_task(base: str, key: str) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_schemathesis_all_checks_every_operation(stack: Stack, tmp_path: Path) -> None:
     key = stack.cli("keys", "create", "--account", "conformance", "--tier", "max").split()[0]
     stack.cli("credits", "add", "--account", "conformance", "--amount", CREDITS)

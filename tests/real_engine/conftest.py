@@ -7,6 +7,8 @@ They export their traces (an `llm_request` span per request, the child of the re
 they do and is ready when `engines` is.
 Any failure on the way FAILS every test of the tier with the reason: never a silent skip.
 `replicas` is what a test asks for: the same replicas, restarted first if a test killed one.
+The tier runs first in the run (tests/conftest.py); the replicas stop after the last test that
+uses them, not at the session's end.
 
 `whisper` is one real vLLM Whisper replica (serve-whisper.sh: its own venv and tiny model, built
 the same way), started when the first test asks for it, alone (the ASR modules sort before the
@@ -76,6 +78,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory, trace_backend_starting: Tr
                        "backend")
     yield fleet
     fleet.stop()
+
+
+@pytest.fixture(autouse=True)
+def _stop_the_chat_replicas_after_their_last_test(request: pytest.FixtureRequest
+                                                  ) -> Iterator[None]:
+    """The tier runs first (tests/conftest.py): once no later test asks for them, the chat
+    replicas stop, so the rest of the run has both cores and the RAM."""
+    yield
+    if "engines" in request.fixturenames and not _asked_later(request, "engines"):
+        engines: Engines = request.getfixturevalue("engines")
+        engines.stop()
 
 
 @pytest.fixture

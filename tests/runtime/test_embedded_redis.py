@@ -19,7 +19,7 @@ from multidict import CIMultiDict
 
 from proxy.credits.ledger import Balance, Ledger
 from proxy.store.client import connect_redis
-from proxy.store.redis_process import RedisProcess
+from proxy.store.redis_process import RedisProcess, socket_path
 from tests.support.config_files import MODEL
 from tests.support.embedded_redis import (
     PRICES,
@@ -114,7 +114,7 @@ async def test_killed_embedded_redis_servers_are_restarted_with_the_ledger_intac
             replacement = embedded_redis(stack, name)
             # Reaped (psutil counts a zombie as running, and tells a reused pid apart).
             assert replacement.pid != victim.pid and not victim.is_running()
-            assert (stack.data / name / "redis.sock").exists()  # the same socket
+            assert socket_path(stack.data / name).exists()  # the same socket
 
             # 2. As it happens in production: kill -9 with the master running.
             replacement.kill()
@@ -186,3 +186,20 @@ async def test_the_ledger_fsync_setting_reaches_the_embedded_redis(
             assert await redis.config_get("appendonly") == {"appendonly": "yes"}
         finally:
             await redis.aclose()
+
+
+def test_a_data_dir_too_deep_for_a_unix_socket_still_gets_one(tmp_path: Path) -> None:
+    """A socket's address holds 107 bytes: under a deeper data dir redis-server would bind a
+    name cut short where nobody looks, and the gateway would wait for it in vain."""
+    deep = tmp_path / ("d" * 120) / "redis"
+    server = RedisProcess(deep, persistent=False)
+    assert len(str(server.socket_path)) <= 107 and server.socket_path.name == "redis.sock"
+    assert server.socket_path == RedisProcess(deep).socket_path  # the same at every start
+    server.start()
+    try:
+        assert server.socket_path.exists()
+        assert (deep / "redis.log").exists()  # the data stays where it was asked to be
+    finally:
+        server.stop()
+    shallow = tmp_path / "redis"
+    assert RedisProcess(shallow).socket_path == shallow / "redis.sock"

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.store.redis_process import socket_path
 from tests.support.config_files import MODEL, write_config
 from tests.support.processes import free_port, wait_until_ready
 
@@ -67,15 +68,16 @@ def test_openai_client_through_served_gateway_with_embedded_redis(
                 model=MODEL, messages=[{"role": "user", "content": "hello"}])
 
     # The embedded redis-server runs on a unix socket in the data dir, with AOF on ...
-    assert (data_dir / "redis" / "redis.sock").exists()
+    sock = socket_path(data_dir / "redis")
+    assert sock.exists()
     assert any(p.name.startswith("appendonly") for p in (data_dir / "redis").iterdir())
     # ... and goes away with the gateway.
     gateway.send_signal(signal.SIGTERM)
     assert gateway.wait(15) == 0
     deadline = time.monotonic() + 5
-    while (data_dir / "redis" / "redis.sock").exists() and time.monotonic() < deadline:
+    while sock.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not (data_dir / "redis" / "redis.sock").exists()
+    assert not sock.exists()
 
 
 def test_sighup_reloads_policies_and_refuses_a_bad_file(

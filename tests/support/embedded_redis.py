@@ -16,6 +16,7 @@ import aiohttp
 import psutil
 from redis.asyncio import Redis
 
+from proxy.store.redis_process import socket_path
 from tests.support.fleet import REPO, Stack, cmdline, gone
 
 # Prices that make every request cost something, so a lost write would show in the balance.
@@ -43,9 +44,9 @@ def new_funded_key(stack: Stack, account: str, credits: str) -> str:
 
 
 def embedded_redis(stack: Stack, name: str) -> psutil.Process:
-    """The live redis-server serving data/<name>/redis.sock (its argv, or the process title
+    """The live redis-server serving data/<name>'s socket (its argv, or the process title
     redis-server rewrites it to, names the socket)."""
-    sock = str(stack.data / name / "redis.sock")
+    sock = str(socket_path(stack.data / name))
     found = [p for p in stack.tree()
              if "redis-server" in cmdline(p) and sock in cmdline(p) and not gone(p)]
     assert len(found) == 1, [cmdline(p) for p in stack.tree()]
@@ -53,7 +54,7 @@ def embedded_redis(stack: Stack, name: str) -> psutil.Process:
 
 
 def ledger_client(stack: Stack) -> Redis:
-    return Redis.from_url(f"unix://{stack.data / 'redis' / 'redis.sock'}")
+    return Redis.from_url(f"unix://{socket_path(stack.data / 'redis')}")
 
 
 async def wait_readyz(url: str, want: Callable[[int, dict[str, Any]], bool], *,

@@ -60,9 +60,7 @@ class PrefillFit:
             return
         n = totals.requests - last.requests
         t, s = totals.tokens - last.tokens, totals.seconds - last.seconds
-        if n < 0 or t < 0 or s < 0:  # the engine restarted: its counters began again
-            return
-        if n == 0:
+        if n <= 0 or t < 0 or s < 0:  # no prefill finished, or the engine restarted
             return
         self._nn = DECAY * self._nn + n * n
         self._nt = DECAY * self._nt + n * t

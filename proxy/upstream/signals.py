@@ -93,9 +93,9 @@ def _samples_of(text: str, names: dict[str, str]) -> str:
     """Only the sample lines of `names` (and the cache config): a vLLM's /metrics is ~700 lines
     of histograms, and the parser took ~30 ms over all of them, a quarter of a core at four
     reads a second of two engines; over these few, well under a millisecond."""
+    wanted = {*names, "vllm:cache_config_info"}  # comments and blank lines name none of them
     keep = [line for line in text.splitlines()
-            if line[:1] not in ("#", "") and (name := line.split("{", 1)[0].split(" ", 1)[0])
-            and (name in names or name == "vllm:cache_config_info")]
+            if line.split("{", 1)[0].split(" ", 1)[0] in wanted]
     return "\n".join(keep) + "\n"
 
 

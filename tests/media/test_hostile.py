@@ -17,15 +17,22 @@ from proxy.media.wav import BadAudio, is_speech_wav, read_wav, to_speech_wav, wa
 from tests.support import media_builders as b
 from tests.support.encoded_media import audio_clip
 
-VALID = [
-    wav_bytes(bytes(400), 16000, channels=2), b.flac(), b.flac(id3=True), b.ogg_opus(),
-    b.ogg_vorbis(), b.mp3(8), b.mp3(4, tag=True), b.mp3_xing(125), b.m4a(), b.m4a(version=1),
-    b.m4a(moov_last=True), b.webm(), b.webm(None, unknown_sizes=True),
-    png_bytes(3, 2, lambda x, y: (x, y, 0)), avi_bytes([bytes(12)] * 2, 2, 2, 6), b.gif(),
-    b.jpeg(5, 7), b.webp_lossy(), b.webp_lossless(), b.webp_extended(),
+# By name: a parametrized test's ids must be the same in every xdist worker, and an encoder's
+# output is not (an Ogg stream's serial number is random).
+FIXTURES = {
+    "wav": wav_bytes(bytes(400), 16000, channels=2), "flac": b.flac(),
+    "flac-id3": b.flac(id3=True), "ogg-opus": b.ogg_opus(), "ogg-vorbis": b.ogg_vorbis(),
+    "mp3": b.mp3(8), "mp3-tag": b.mp3(4, tag=True), "mp3-xing": b.mp3_xing(125), "m4a": b.m4a(),
+    "m4a-v1": b.m4a(version=1), "m4a-moov-last": b.m4a(moov_last=True), "webm": b.webm(),
+    "webm-unknown-sizes": b.webm(None, unknown_sizes=True),
+    "png": png_bytes(3, 2, lambda x, y: (x, y, 0)), "avi": avi_bytes([bytes(12)] * 2, 2, 2, 6),
+    "gif": b.gif(), "jpeg": b.jpeg(5, 7), "webp-lossy": b.webp_lossy(),
+    "webp-lossless": b.webp_lossless(), "webp-extended": b.webp_extended(),
     # Real encoder output: sample tables, edit lists, Opus packets and blocks to corrupt.
-    audio_clip("m4a").data, audio_clip("ogg").data, audio_clip("webm").data,
-]
+    "ffmpeg-m4a": audio_clip("m4a").data, "ffmpeg-ogg": audio_clip("ogg").data,
+    "ffmpeg-webm": audio_clip("webm").data,
+}
+VALID = list(FIXTURES.values())
 HOSTILE = settings(max_examples=400, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
 
@@ -73,7 +80,7 @@ def test_corruptions(valid: bytes, data: st.DataObject) -> None:
     check(bytes(mutated))
 
 
-@pytest.mark.parametrize("data", VALID)
+@pytest.mark.parametrize("data", VALID, ids=list(FIXTURES))
 def test_every_valid_fixture_is_recognised(data: bytes) -> None:
     results = 0
     for call in (probe, probe_image, probe_video):

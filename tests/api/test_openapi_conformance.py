@@ -90,10 +90,12 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
                                env=env)
     procs.append(gateway)
     try:
+        # This runs first, beside the real-engine tier's start (tests/conftest.py): vLLM's
+        # imports take both cores for a minute, and these processes start as slowly.
         for port, proc in zip([sim_port, *ports], procs, strict=False):
-            wait_until_ready(f"http://127.0.0.1:{port}/health", proc)
-        wait_until_ready(f"http://{AUDIO_HOST}:{audio_port}/hello.wav", procs[-2])
-        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway)
+            wait_until_ready(f"http://127.0.0.1:{port}/health", proc, timeout=120)
+        wait_until_ready(f"http://{AUDIO_HOST}:{audio_port}/hello.wav", procs[-2], timeout=120)
+        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway, timeout=120)
         yield Stack(f"http://127.0.0.1:{gw_port}", folder, env)
     finally:
         for proc in reversed(procs):

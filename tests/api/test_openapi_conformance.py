@@ -48,6 +48,9 @@ FAMILIES = (("tts", {}, "acme/csm-1b"), ("whisper", {}, "acme/large-v3"),
             ("image", {"provider": "acme"}, "acme/image-gen"),
             ("video", {"provider": "acme"}, "acme/video-gen"), ("tei", {}, "acme/embed-small"))
 AUDIO_HOST = "127.0.0.2"  # serves a WAV for audio_url and custom_voice.url
+# How long the stack's processes may take to answer: this test runs first, beside the
+# real-engine tier's start (tests/conftest.py), whose vLLM imports take both cores for a minute.
+STARTING_S = 120
 
 
 @pytest.fixture
@@ -90,12 +93,11 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
                                env=env)
     procs.append(gateway)
     try:
-        # This runs first, beside the real-engine tier's start (tests/conftest.py): vLLM's
-        # imports take both cores for a minute, and these processes start as slowly.
         for port, proc in zip([sim_port, *ports], procs, strict=False):
-            wait_until_ready(f"http://127.0.0.1:{port}/health", proc, timeout=120)
-        wait_until_ready(f"http://{AUDIO_HOST}:{audio_port}/hello.wav", procs[-2], timeout=120)
-        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway, timeout=120)
+            wait_until_ready(f"http://127.0.0.1:{port}/health", proc, timeout=STARTING_S)
+        wait_until_ready(f"http://{AUDIO_HOST}:{audio_port}/hello.wav", procs[-2],
+                         timeout=STARTING_S)
+        wait_until_ready(f"http://127.0.0.1:{gw_port}/readyz", gateway, timeout=STARTING_S)
         yield Stack(f"http://127.0.0.1:{gw_port}", folder, env)
     finally:
         for proc in reversed(procs):

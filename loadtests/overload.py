@@ -1,6 +1,7 @@
 """Mixed overload benchmark (issue 31): the tier order and fairness at twice the pool's capacity.
 
-    python -m loadtests.overload [--seconds 40] [--mix paid|lower] [--headroom 0.2] [--json PATH]
+    python -m loadtests.overload [--seconds 40] [--mix paid|lower] [--headroom 0.2]
+        [--engine-queue 0] [--json PATH]
 
 An uneven pool of two vLLM simulators (batches of 1 and 4, ~1 s a request: ~5 requests/s in
 all) behind a `serve` gateway with two workers, the shipped tiers' priorities and longest
@@ -8,7 +9,8 @@ waits, open-loop Poisson arrivals, streamed, seeded. Three phases in one invocat
 fresh servers:
 
     half      half the capacity, the dispatcher on: each tier's baseline
-    overload  twice the capacity, the dispatcher on (each backend's max_concurrency = its batch)
+    overload  twice the capacity, the dispatcher on (each backend's max_concurrency = its batch,
+              and `--engine-queue` (1, as shipped) more queued in the batch-4 engine)
     before    twice the capacity, `dispatch = false` and the shipped default max_concurrency
               (64): the engines' own first-in first-out queues decide
 
@@ -88,12 +90,12 @@ def p99(values: list[float]) -> float:
 
 
 def write_config(folder: Path, port: int, sims: list[str], dispatch: bool,
-                 headroom: float) -> None:
+                 headroom: float, engine_queue: int) -> None:
     q = json.dumps
     text = (f'[gateway]\nhost = "127.0.0.1"\nport = {port}\n'
             f'data_dir = {q(str(folder / "data"))}\ndrain_timeout_s = 2\naccess_log = "off"\n\n'
             f"[health]\ntimeout_s = 10\n\n[routing]\npick = \"engine\"\n"
-            f"dispatch = {'true' if dispatch else 'false'}\n")
+            f"dispatch = {'true' if dispatch else 'false'}\nengine_queue = {engine_queue}\n")
     for i, (url, batch) in enumerate(zip(sims, BATCHES, strict=True)):
         text += (f'\n[[backends]]\nname = "engine-{i}"\nkind = "vllm"\nurl = {q(url)}\n'
                  f"models = [{q(MODEL)}]\nmax_concurrency = {batch if dispatch else 64}\n"
@@ -172,7 +174,8 @@ async def drive(phase: Phase, gateway: str, sims: list[str], keys: dict[str, str
 
 
 def run_phase(name: str, load: float, dispatch: bool, seconds: float, seed: int,
-              root: Path, mix: dict[str, tuple[str, float]], headroom: float) -> Phase:
+              root: Path, mix: dict[str, tuple[str, float]], headroom: float,
+              engine_queue: int) -> Phase:
     phase = Phase(name, load)
     folder = root / name
     folder.mkdir(parents=True)
@@ -189,7 +192,7 @@ def run_phase(name: str, load: float, dispatch: bool, seconds: float, seed: int,
             sims.append(f"http://127.0.0.1:{port}")
             wait_ready(f"{sims[-1]}/health", server=servers[-1])
         gw_port = free_port()
-        write_config(folder, gw_port, sims, dispatch, headroom)
+        write_config(folder, gw_port, sims, dispatch, headroom, engine_queue)
         servers.append(Server("gateway", gateway_args(folder, gw_port, workers=2),
                               folder / "gateway.log", None))
         wait_ready(f"http://127.0.0.1:{gw_port}/readyz", server=servers[-1])
@@ -260,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix", choices=sorted(MIXES), default="paid")
     parser.add_argument("--headroom", type=float, default=0.0,
                         help="the guests' and Basic's headroom (tiers.toml), 0 as shipped")
+    parser.add_argument("--engine-queue", type=int, default=1,
+                        help="[routing] engine_queue: requests queued in the batch-4 engine "
+                        "(1 as shipped)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     mix = MIXES[args.mix]
     with tempfile.TemporaryDirectory(prefix="igw-overload-") as tmp:
         phases = [run_phase(name, load, dispatch, args.seconds, args.seed, Path(tmp), mix,
-                            args.headroom)
+                            args.headroom, args.engine_queue)
                   for name, load, dispatch in (("half", 0.5, True), ("overload", 2.0, True),
                                                ("before", 2.0, False))]
     print(report(phases, mix))

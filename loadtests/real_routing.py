@@ -9,7 +9,8 @@ are installed.
 For each seed and config, two fresh real vLLM replicas (the real-engine tier's tiny model and
 scripts, tests/support/real_engines.py: CPU, one core each, `--max-num-seqs 4`, a KV cache of
 128 blocks of 32 tokens, 4,096 tokens, so they evict), publishing their KV-cache events; in
-front of them a one-worker gateway routing by `prefix` (`prefix-events`: with `kv_events` on
+front of them a one-worker gateway (`max_concurrency` 4, the batch, and one request more queued
+in each engine: `[routing] engine_queue`) routing by `prefix` (`prefix-events`: with `kv_events` on
 each backend; `prefix-fixed`: at its configured prefill price, `learn_prefill = false`) or a
 router with its cache-aware policy (loadtests/routers.py). The same seeded
 requests for every config: system prompts of ~410 tokens (random hex words, so that the

@@ -816,7 +816,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ", open loop, Poisson arrivals, the same schedule and bodies for every config",
         f"gateway: `serve --workers {WORKERS}`, [routing] pick per column, backend weights "
         f"{'/'.join(map(str, args.weights))}, max_concurrency {engines.max_num_seqs} (the "
-        "engines' batch: the dispatcher holds the rest)"
+        "engines' batch, and one more queued in each: [routing] engine_queue; the "
+        "dispatcher holds the rest)"
         + "".join(f", {k} {v:g}" for k, v in args.score.items()) + "; "
         f"{args.keys} API keys of one tier whose limit never binds, no queue_budget; nothing "
         "pinned (the load is light: see cores busy)",

@@ -363,7 +363,7 @@ async def list_backends(request: web.Request) -> web.Response:
     return _json({"object": "list", "worker_pid": os.getpid(), "queues": dispatcher.waiting(),
                   "prefix_index": prefix,
                   "data": [{**backend_view(b), "slots": {
-                      "max": b.spec.max_concurrency,
+                      "max": b.slots, "batch": b.batch,
                       "in_use": None if in_use is None else in_use.get(b.name, 0),
                       "spare": dispatcher.spares.kept(b.name)},
                       **({"kv_events": events.view()}

@@ -94,8 +94,9 @@ class BackendSpec(Section, frozen=True):
     models: Annotated[list[NonEmpty], msgspec.Meta(min_length=1)]
     # The requests its engine runs at once (its batch: vLLM --max-num-seqs, TGI
     # --max-concurrent-requests, a speech or image server's concurrency). With [routing]
-    # dispatch, the whole fleet sends it at most this many (beyond them requests wait in the
-    # gateway's queue, in tier order); without, each worker does (503 beyond).
+    # dispatch, the whole fleet sends it at most this many, plus [routing] engine_queue (beyond
+    # them requests wait in the gateway's queue, in tier order); without, each worker does (503
+    # beyond).
     max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
     # The pools this backend is in: "direct" (one backend answers) and/or "network" (the request
     # runs on several backends of the network pool and a quorum must agree); a backend may be in
@@ -191,6 +192,13 @@ class RoutingSection(Section, frozen=True):
     # (proxy.upstream.dispatch); off: each worker sends up to `max_concurrency` per backend and
     # answers 503 beyond it.
     dispatch: bool = True
+    # With `dispatch`: requests a vLLM engine of a batch of at least 4 is sent beyond its batch,
+    # to wait in its own queue, so that when one of its running requests ends the next is
+    # already there (the gateway's hand-off, a give-back, a take and a new HTTP request, leaves
+    # a batch place idle for a few milliseconds each time). A tier uses them only while no
+    # higher tier has taken a slot of the pool for 30 s (proxy.upstream.slots.HIGHER_TIER_S),
+    # so none of its requests waits in an engine ahead of a higher tier's. 0: none.
+    engine_queue: Annotated[int, msgspec.Meta(ge=0, le=4)] = 1
     # "prefix": what prefilling 1,000 prompt tokens costs (on the fastest replica), against
     # a replica's wait; and the KV cache of an engine that does not report its own (vLLM's
     # `vllm:cache_config_info`), in tokens.

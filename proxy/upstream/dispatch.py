@@ -4,8 +4,9 @@ first-out queues stay short and the queue that decides who runs next is ours.
 
     slots     a backend's `max_concurrency` (backends.toml): the requests its engine runs at
               once (vLLM `--max-num-seqs`, TGI `--max-concurrent-requests`, a speech or image
-              server's concurrency), counted across every worker and gateway host in the
-              rate-limit Redis (proxy.upstream.slots)
+              server's concurrency), for vLLM `[routing] engine_queue` more to wait in its own
+              queue (pool.Backend.queued: a tier's only while no higher tier sends), counted
+              across every worker and gateway host in the rate-limit Redis (upstream.slots)
     arriving  one script call (in parallel with admission's): a slot on the first of the
               pool's preferred backends with one free, when nobody in any gateway waits ahead
               of the request (a higher tier, or an earlier turn of its own tier: fair queuing
@@ -27,7 +28,7 @@ first-out queues stay short and the queue that decides who runs next is ours.
               upstream; its credit hold is released as for any request that never ran)
 
 If the rate-limit Redis cannot be reached, each worker falls back to its own counts (a backend
-takes up to `max_concurrency` from each worker, as before the dispatcher) and its own queue.
+takes up to its slots from each worker, as before the dispatcher) and its own queue.
 """
 
 from __future__ import annotations

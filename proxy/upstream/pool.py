@@ -58,6 +58,12 @@ _SENT_KEPT = 1024  # send times kept per backend: more than can be open between 
 _SERVICE_SAMPLE = 8
 SATURATED_RETRY_S = 5  # Retry-After of a saturated pool whose completion rate is not known
 _RNG = random.Random()
+# Where the gateway may send requests beyond an engine's batch ([routing] engine_queue): vLLM
+# queues what its batch cannot run, without bound (TGI and the speech, image and video servers
+# refuse beyond their limit); and the batch must be at least QUEUE_MIN_BATCH, so a request of a
+# higher tier waits at most about a quarter of a service time more for each one queued.
+QUEUEING_KINDS = frozenset({"vllm"})
+QUEUE_MIN_BATCH = 4
 MODES: tuple[Mode, ...] = ("direct", "network")
 
 # Kinds whose health endpoint is `/`; others default to `/health`. OpenAI-style hosted APIs have
@@ -84,11 +90,17 @@ class Backend:
     __slots__ = ("_busy_s", "_finished", "_targets", "auth", "base_url", "batch_inputs",
                  "cache_tokens", "completion_rate", "forward", "health", "kv", "max_ejected_ratio",
                  "max_model_len", "name", "outstanding", "peers", "prefill", "prefill_until",
-                 "probed", "record", "sent", "service_s", "signals", "spec", "supervised", "wake")
+                 "probed", "queued", "record", "sent", "service_s", "signals", "spec", "supervised",
+                 "wake")
 
-    def __init__(self, spec: BackendSpec, settings: HealthSection | None = None) -> None:
+    def __init__(self, spec: BackendSpec, settings: HealthSection | None = None,
+                 engine_queue: int = 0) -> None:
         settings = settings or HealthSection()
         self.spec = spec
+        # Requests sent beyond its batch to wait in its engine's own queue ([routing]
+        # engine_queue), so the next is there when a running one ends.
+        self.queued = (engine_queue if spec.kind in QUEUEING_KINDS
+                       and spec.max_concurrency >= QUEUE_MIN_BATCH else 0)
         self.name = spec.name
         self.base_url = spec.url.rstrip("/")
         self._targets: dict[str, Target] = {}
@@ -173,7 +185,7 @@ class Backend:
 
     @property
     def available(self) -> bool:
-        return self.healthy and self.outstanding < self.spec.max_concurrency
+        return self.healthy and self.outstanding < self.slots
 
     def load(self, now: float) -> EngineSignals | None:
         """The engine's own figures while they are fresh; None when stale or never read."""
@@ -232,8 +244,15 @@ class Backend:
         return (self.outstanding + 1) / self.spec.weight
 
     @property
-    def slots(self) -> int:
+    def batch(self) -> int:
+        """Requests its engine runs at once (`max_concurrency`)."""
         return self.spec.max_concurrency
+
+    @property
+    def slots(self) -> int:
+        """Requests the gateway keeps in flight on it: its batch, and those it lets wait in
+        the engine's own queue (`queued`)."""
+        return self.spec.max_concurrency + self.queued
 
     def in_flight(self, now: float) -> float:
         """Requests on it: the engine's queue and batch as last read (every worker's), plus
@@ -415,16 +434,16 @@ class Pool:
         )
 
 
-def offer(backends: Sequence[Backend]) -> list[tuple[str, int]]:
-    """Backends as the slot ledger is offered them: (name, slots), in order."""
-    return [(b.name, b.spec.max_concurrency) for b in backends]
+def offer(backends: Sequence[Backend]) -> list[tuple[str, int, int]]:
+    """Backends as the slot ledger is offered them: (name, slots, queued), in order."""
+    return [(b.name, b.slots, b.queued) for b in backends]
 
 
 def free_here(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:
     """The first `need` of `preferred` with a slot free by this worker's own counts, when
     more than `keep_free` are."""
-    free = sum(max(0, b.spec.max_concurrency - b.outstanding) for b in preferred)
+    free = sum(max(0, b.slots - b.outstanding) for b in preferred)
     if free <= keep_free:
         return None
-    found = [b for b in preferred if b.outstanding < b.spec.max_concurrency][:need]
+    found = [b for b in preferred if b.outstanding < b.slots][:need]
     return found if len(found) == need else None

@@ -17,8 +17,9 @@ class Router:
 
     def __init__(self, specs: Iterable[BackendSpec], health: HealthSection | None = None,
                  routing: RoutingSection | None = None) -> None:
-        self.backends = tuple(Backend(spec, health) for spec in specs)
         r = routing or RoutingSection()
+        queued = r.engine_queue if r.dispatch else 0
+        self.backends = tuple(Backend(spec, health, queued) for spec in specs)
         grouped: dict[tuple[str, str, str], list[Backend]] = {}
         self._providers: dict[tuple[str, str], list[Backend]] = {}
         for backend in self.backends:

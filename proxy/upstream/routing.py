@@ -73,7 +73,7 @@ class Replica(Protocol):
     @property
     def service_s(self) -> float | None: ...  # seconds a request spends in it, measured
     @property
-    def slots(self) -> int: ...  # requests its engine runs at once (`max_concurrency`)
+    def batch(self) -> int: ...  # requests its engine runs at once (`max_concurrency`)
     def local_score(self) -> float: ...
     def engine_load(self, weights: Weights, now: float) -> float | None: ...
     def in_flight(self, now: float) -> float: ...  # requests on it, every worker's if known
@@ -169,19 +169,20 @@ def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token:
     for replica, service, uncached, backlog in zip(replicas, services, view.uncached_tokens,
                                                    view.backlog_s, strict=True):
         held = service if measured and service else DEFAULT_SERVICE_S
-        slots = max(1, replica.slots)
+        places = max(1, replica.batch)
         load = replica.in_flight(now)
-        # Requests ahead of it: beyond the replica's slots, or in its engine's own queue (an
-        # engine running fewer than its slots, KV cache full, or others sending to it too),
-        # which drain as its running batch finishes. A slot frees at the replica's own pace;
-        # sharing its batch slows a first token about alike everywhere (a batch's decode steps
-        # are cheap beside a prefill).
-        ahead, batch = max(0.0, load + 1 - slots), float(slots)
+        # Requests ahead of it: beyond the replica's batch (the gateway may send a few to
+        # wait in its engine's queue), or in its engine's own queue (an engine running fewer
+        # than its batch, KV cache full, or others sending to it too), which drain as its
+        # running batch finishes. A place frees at the replica's own pace; sharing its batch
+        # slows a first token about alike everywhere (a batch's decode steps are cheap beside
+        # a prefill).
+        ahead, batch = max(0.0, load + 1 - places), float(places)
         engine = replica.load(now)
         if engine is not None and engine.waiting > ahead:
             ahead, batch = engine.waiting, min(batch, max(1.0, engine.running))
         waits[id(replica)] = held * ahead / batch
-        wait = waits[id(replica)] + fastest * CONTENTION * load / slots
+        wait = waits[id(replica)] + fastest * CONTENTION * load / places
         prefill = uncached * prefill_s_per_token
         costs[id(replica)] = (wait + backlog + prefill * slowness(service, services)
                               + CACHE_USE * prefill)

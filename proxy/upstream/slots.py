@@ -43,6 +43,10 @@ from proxy.store.client import Primaries, Store
 from proxy.store.script_pipe import ScriptPipes
 
 BEAT_S = 2.0
+# A tier keeps the tiers below it out of the engines' own queues ([routing] engine_queue) this
+# long after it last took a slot of the pool: while it sends, none of theirs waits in an engine
+# ahead of its next request.
+HIGHER_TIER_S = 30.0
 LAPSE_S = 3 * BEAT_S
 _PREFIX = "igw:{slots}:"
 _KEYS = [_PREFIX + name for name in ("total", "held", "alive", "now")]
@@ -51,14 +55,29 @@ _KEYS = [_PREFIX + name for name in ("total", "held", "alive", "now")]
 # ARGV: mode ('new' or 'turn'), process, Q, account, request's member, its tag (turn), its
 # longest wait in ms (new), most waiters it may find ahead (new), slots it leaves free for the
 # tiers above (headroom), distinct backends it needs a slot on at once (network mode: several),
-# spare slots the process would keep of the first backend (proxy.upstream.spares), then
-# (backend, slots) pairs in preference order. Returns {backends taken (one per line) or '',
-# waiters ahead of it in every gateway, its tag (-1: refused, nothing changed), spares given}.
+# spare slots the process would keep of the first backend (proxy.upstream.spares), how long
+# (ms) a higher tier's last slot keeps this tier out of the engines' queues, then (backend,
+# slots, of them queued in its engine) triples in preference order. Returns {backends taken
+# (one per line) or '', waiters ahead of it in every gateway, its tag (-1: refused, nothing
+# changed), spares given}.
 _TAKE = """
 local mode, proc, q, account, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 redis.call('HINCRBY', KEYS[3], 'asks|' .. proc, 1)  -- the beat's check (see _BEAT)
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- A backend's slots for this request: those queued in its engine only while no higher tier
+-- took a slot of the pool lately (one that did would find this request ahead of it there).
+local above, named = false, #KEYS[5] - #q  -- wait:Q's name is its prefix and Q
+for i = 7, #KEYS, 2 do
+  local seen = redis.call('HGET', KEYS[3], 'seen|' .. string.sub(KEYS[i], named + 1))
+  if seen and tonumber(seen) > now_ms - tonumber(ARGV[12]) then above = true end
+end
+local names, caps = {}, {}
+for i = 13, #ARGV, 3 do
+  names[#names + 1] = ARGV[i]
+  caps[#caps + 1] = tonumber(ARGV[i + 1]) - (above and tonumber(ARGV[i + 2]) or 0)
+end
+local function used(j) return tonumber(redis.call('HGET', KEYS[1], names[j]) or '0') end
 -- A waiter past its longest wait is gone, whether or not its gateway could say so.
 local function prune(wait, due)
   local gone = redis.call('ZRANGEBYSCORE', due, '-inf', now_ms, 'LIMIT', 0, 64)
@@ -82,19 +101,14 @@ ahead = ahead + redis.call('ZCOUNT', KEYS[5], '-inf', '(' .. tag)
 local need, room = tonumber(ARGV[10]), true
 if ahead == 0 and tonumber(ARGV[9]) > 0 then  -- only when more than its headroom is free
   local free = 0
-  for i = 12, #ARGV, 2 do
-    free = free + math.max(0, tonumber(ARGV[i + 1]) -
-                              tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
-  end
+  for j = 1, #names do free = free + math.max(0, caps[j] - used(j)) end
   room = free > tonumber(ARGV[9])
 end
 if ahead == 0 and room then
   local found = {}
-  for i = 12, #ARGV, 2 do
+  for j = 1, #names do
     if #found == need then break end
-    if tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') < tonumber(ARGV[i + 1]) then
-      found[#found + 1] = ARGV[i]
-    end
+    if used(j) < caps[j] then found[#found + 1] = names[j] end
   end
   if #found == need then
     for _, backend in ipairs(found) do
@@ -109,6 +123,7 @@ if ahead == 0 and room then
       now = tag
       redis.call('HSET', KEYS[3], q, now)
     end
+    redis.call('HSET', KEYS[3], 'seen|' .. q, now_ms)
     if tonumber(redis.call('ZSCORE', KEYS[4], account) or '0') < tag + 1 then
       redis.call('ZADD', KEYS[4], tag + 1, account)
     end
@@ -116,19 +131,17 @@ if ahead == 0 and room then
     redis.call('PEXPIRE', KEYS[4], 600000)  -- an idle pool's turns are forgotten (10 min)
     -- Spares on the first backend, while at least half of the pool's slots stay free.
     local spare = 0
-    if tonumber(ARGV[11]) > 0 and found[1] == ARGV[12] then
-      local slots, used = 0, 0
-      for i = 12, #ARGV, 2 do
-        local cap = tonumber(ARGV[i + 1])
-        slots = slots + cap
-        used = used + math.min(cap, tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0'))
+    if tonumber(ARGV[11]) > 0 and found[1] == names[1] then
+      local slots, busy = 0, 0
+      for j = 1, #names do
+        slots = slots + caps[j]
+        busy = busy + math.min(caps[j], used(j))
       end
-      local first = tonumber(ARGV[13]) - tonumber(redis.call('HGET', KEYS[1], ARGV[12]))
-      spare = math.max(0, math.min(tonumber(ARGV[11]), first,
-                                   slots - used - math.ceil(slots / 2)))
+      spare = math.max(0, math.min(tonumber(ARGV[11]), caps[1] - used(1),
+                                   slots - busy - math.ceil(slots / 2)))
       if spare > 0 then
-        redis.call('HINCRBY', KEYS[1], ARGV[12], spare)
-        redis.call('HINCRBY', KEYS[2], ARGV[12] .. '|' .. proc, spare)
+        redis.call('HINCRBY', KEYS[1], names[1], spare)
+        redis.call('HINCRBY', KEYS[2], names[1] .. '|' .. proc, spare)
       end
     end
     return {table.concat(found, '\\n'), 0, tag, spare}
@@ -259,6 +272,7 @@ def process_id() -> str:
 class SlotLedger:
     def __init__(self, redis: Store) -> None:
         self.process = process_id()
+        self.higher_tier_s = HIGHER_TIER_S
         self._members = itertools.count()
         self._primaries = Primaries(redis)
         self._pipes = ScriptPipes(self._primaries)
@@ -272,10 +286,11 @@ class SlotLedger:
         return f"{self.process}|{next(self._members)}"
 
     async def take(self, pool: str, priority: int, higher: Sequence[int], account: str,
-                   candidates: Sequence[tuple[str, int]], *, member: str = "",
+                   candidates: Sequence[tuple[str, int, int]], *, member: str = "",
                    wait_s: float = 0.0, most_ahead: int = -1, keep_free: int = 0,
                    need: int = 1, spare: int = 0) -> Taken:
-        """A new request of `account`: a slot on the first candidate (backend, slots) with
+        """A new request of `account`: a slot on the first candidate (backend, slots, of
+        them those queued in its engine: not while a higher tier sends, `HIGHER_TIER_S`) with
         one free (on each of the first `need` with one) when nobody waits ahead of it and more
         than `keep_free` slots are free; otherwise it waits as `member` for up to `wait_s`,
         unless more than `most_ahead` wait ahead of it (refused: `tag` None). With its slot on
@@ -285,7 +300,7 @@ class SlotLedger:
                                 member, 0, wait_s, most_ahead, keep_free, need, spare)
 
     async def turn(self, pool: str, priority: int, higher: Sequence[int], account: str,
-                   candidates: Sequence[tuple[str, int]], member: str, tag: int,
+                   candidates: Sequence[tuple[str, int, int]], member: str, tag: int,
                    keep_free: int = 0, need: int = 1) -> Taken:
         """A waiting request asks again: its slots when nobody waits ahead of it and more
         than `keep_free` are free (it stops waiting then)."""
@@ -298,7 +313,7 @@ class SlotLedger:
         await self._pipes.call(self._leave, _queue_keys(pool, priority), [member, account, tag])
 
     async def _call(self, mode: str, pool: str, priority: int, higher: Sequence[int],
-                    account: str, candidates: Sequence[tuple[str, int]], member: str,
+                    account: str, candidates: Sequence[tuple[str, int, int]], member: str,
                     tag: int, wait_s: float, most_ahead: int, keep_free: int, need: int,
                     spare: int) -> Taken:
         keys = [_KEYS[0], _KEYS[1], _KEYS[3], *_queue_keys(pool, priority)]
@@ -306,9 +321,9 @@ class SlotLedger:
             keys += _queue_keys(pool, above)[1:]
         args: list[str | int] = [mode, self.process, f"{pool}|{priority}", account, member,
                                  tag, int(wait_s * 1000) + 1000, most_ahead, keep_free, need,
-                                 spare]
-        for name, slots in candidates:
-            args += [name, slots]
+                                 spare, int(self.higher_tier_s * 1000)]
+        for name, slots, queued in candidates:
+            args += [name, slots, queued]
         taken, ahead, tagged, spared = await self._pipes.call(self._take, keys, args)
         names = taken.decode() if isinstance(taken, bytes) else str(taken)
         return Taken(tuple(names.split("\n")) if names else (), int(ahead),

@@ -60,7 +60,7 @@ class Spares:
 
     def wanted(self, backend: Backend) -> int:
         """How many more spares of `backend` the worker may keep."""
-        return max(0, most_kept(backend.spec.max_concurrency) - self.kept(backend.name))
+        return max(0, most_kept(backend.slots) - self.kept(backend.name))
 
     def granted(self, backend: Backend, count: int) -> None:
         """The ledger gave `count` spares of `backend`: they, and those already kept, are
@@ -84,7 +84,7 @@ class Spares:
         name = backend.name
         kept = self._kept.get(name, 0)
         if (self._until.get(name, 0.0) <= _now()
-                or kept >= most_kept(backend.spec.max_concurrency)):
+                or kept >= most_kept(backend.slots)):
             return False
         self._kept[name] = kept + 1
         return True

@@ -15,6 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
+from proxy.upstream.signals import parse_signals
 from proxy.upstream.slots import LAPSE_S, SlotLedger, Taken
 from tests.support.accounts import funded_key, new_key
 from tests.support.config_files import MODEL
@@ -108,7 +109,7 @@ async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
                 break
             await asyncio.sleep(0.01)
     assert view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}
-    assert view["data"][0]["slots"] == {"max": 1, "in_use": 1, "spare": 0}
+    assert view["data"][0]["slots"] == {"max": 1, "batch": 1, "in_use": 1, "spare": 0}
     first_max = asyncio.create_task(chat(gw, top, "max"))
     done = await asyncio.gather(*burst, first_max)
     assert [status for status, _, _ in done] == [200] * 7, done[0]
@@ -122,15 +123,15 @@ async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
 async def test_lower_tiers_leave_headroom_for_the_tiers_above(
         simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Basic's headroom 0.2 of a five-slot engine: a Basic burst runs four at a time, so a
-    Max request sent after it finds the fifth slot free and runs before the queued Basic
-    ones."""
+    """Basic's headroom 0.2 of a five-slot engine (none queued in it: engine_queue 0): a Basic
+    burst runs four at a time, so a Max request sent after it finds the fifth slot free and
+    runs before the queued Basic ones."""
     monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "ops")
     sim = await simulator(ttft_ms=300, tokens_per_s=200, max_concurrency=5,
                           default_completion_tokens=8)
     gw = await gateway({"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
                         "models": [MODEL], "max_concurrency": 5},
-                       policies={"tiers.toml": tiers(headroom=0.2)})
+                       policies={"tiers.toml": tiers(headroom=0.2)}, routing={"engine_queue": 0})
     basic, top = await keys(clean_redis.url, ("basic", "acct-hb"), ("max", "acct-hm"))
     burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(6)]
     async with asyncio.timeout(5), aiohttp.ClientSession() as s:
@@ -146,6 +147,41 @@ async def test_lower_tiers_leave_headroom_for_the_tiers_above(
     assert [status for status, _, _ in done] == [200] * 7
     seen = order(await sim_requests(sim))
     assert seen.index("max") == 4, seen  # after the four running, before the two waiting
+
+
+async def test_an_engine_of_batch_four_queues_one_request_and_max_still_runs_next(
+        simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """[routing] engine_queue 1 (the default): a vLLM engine of batch 4 is sent a fifth request
+    to wait in its own queue, so its next is there when one ends; the rest of a Basic burst
+    waits in the gateway, and a Max request sent after it runs right after the one queued in
+    the engine. The engine (which would refuse a sixth) never sees more than five."""
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "ops")
+    sim = await simulator(ttft_ms=300, tokens_per_s=200, max_concurrency=4, max_queued=5,
+                          default_completion_tokens=8)
+    gw = await gateway({"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
+                        "models": [MODEL], "max_concurrency": 4},
+                       policies={"tiers.toml": tiers()})
+    basic, top = await keys(clean_redis.url, ("basic", "acct-qb"), ("max", "acct-qm"))
+    burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(8)]
+    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(gw.make_url("/admin/backends"),
+                             headers={"Authorization": "Bearer ops"}) as r:
+                view = await r.json()
+            if view["queues"] == {f"chat/{MODEL}/direct": {"basic": 3}}:
+                break
+            await asyncio.sleep(0.01)
+        async with s.get(sim.make_url("/metrics")) as r:
+            engine = await r.text()
+    assert view["data"][0]["slots"] == {"max": 5, "batch": 4, "in_use": 5, "spare": 0}
+    figures = parse_signals("vllm", engine, 0.0)
+    assert figures is not None and (figures.running, figures.waiting) == (4, 1)
+    done = await asyncio.gather(*burst, chat(gw, top, "max"))
+    assert [status for status, _, _ in done] == [200] * 9
+    seen = order(await sim_requests(sim))
+    assert seen.index("max") == 5, seen  # after the four running and the one queued in it
+    assert {r["outcome"] for r in await sim_requests(sim)} == {"completed"}
 
 
 async def test_accounts_of_one_tier_take_turns(
@@ -233,26 +269,26 @@ async def test_a_crashed_process_gives_its_slots_back(clean_redis: RedisProcess)
     crashed, alive = SlotLedger(redis), SlotLedger(redis)
     try:
         await crashed.beat()
-        assert await crashed.take("pool", 3, (), "m", [("b0", 1)]) == Taken(("b0",), 0, 0)
+        assert await crashed.take("pool", 3, (), "m", [("b0", 1, 0)]) == Taken(("b0",), 0, 0)
         # A second Max request waits in the crashed process (its longest wait: 0.3 s).
-        assert await crashed.take("pool", 3, (), "m", [("b0", 1)], member=crashed.member(),
+        assert await crashed.take("pool", 3, (), "m", [("b0", 1, 0)], member=crashed.member(),
                                   wait_s=0.3, most_ahead=5) == Taken((), 0, 1)
         await alive.beat()
         # Not yet lapsed: full, and a Basic request learns one waits ahead of it (refused:
         # it may find none ahead).
-        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken((), 1, None)
+        assert await alive.take("pool", 1, (3,), "b", [("b0", 1, 0)]) == Taken((), 1, None)
         await alive.beat(now=time.time() + LAPSE_S + 1)
         assert await alive.in_flight() == {}  # the crashed process's slot is back
         # Its waiter still comes first until its longest wait (and a second's margin) ends.
-        assert (await alive.take("pool", 1, (3,), "b", [("b0", 1)])).backends == ()
+        assert (await alive.take("pool", 1, (3,), "b", [("b0", 1, 0)])).backends == ()
         await asyncio.sleep(1.4)
-        assert await alive.take("pool", 1, (3,), "b", [("b0", 1)]) == Taken(("b0",), 0, 0)
+        assert await alive.take("pool", 1, (3,), "b", [("b0", 1, 0)]) == Taken(("b0",), 0, 0)
         await alive.give_back("b0")
         await alive.give_back("b0")  # a second give-back finds nothing to give
         assert await alive.in_flight() == {}
         # Every gateway stopped at once while holding a slot, and the alive hash expired:
         # the first beat after the restart gives it back.
-        assert (await crashed.take("pool", 3, (), "m", [("b0", 1)])).backends == ("b0",)
+        assert (await crashed.take("pool", 3, (), "m", [("b0", 1, 0)])).backends == ("b0",)
         await redis.delete("igw:{slots}:alive")
         restarted = SlotLedger(redis)
         await restarted.beat()
@@ -271,7 +307,7 @@ async def test_the_ledger_gives_turns_by_account_across_processes(
     ahead of it (refused where that is too many), a new light one does not."""
     redis = Redis.from_url(clean_redis.url)
     one, other = SlotLedger(redis), SlotLedger(redis)
-    slot = [("b0", 1)]
+    slot = [("b0", 1, 0)]
     try:
         assert await one.take("pool", 1, (), "heavy", slot) == Taken(("b0",), 0, 0)
         backlog = [one.member() for _ in range(3)]
@@ -297,6 +333,40 @@ async def test_the_ledger_gives_turns_by_account_across_processes(
     finally:
         await one.close()
         await other.close()
+        await redis.aclose()
+
+
+async def test_a_tier_queues_in_an_engine_only_while_no_higher_tier_sends(
+        clean_redis: RedisProcess) -> None:
+    """A backend of batch 4 with one more queued in its engine: Basic alone takes all five;
+    once Max has taken a slot of the pool, Basic takes only the batch (a Basic request queued
+    in the engine would run before Max's next), Max still the fifth, and a Pro request in
+    another pool is not held back by it. `HIGHER_TIER_S` after Max's last, Basic queues again."""
+    redis = Redis.from_url(clean_redis.url)
+    ledger = SlotLedger(redis)
+    ledger.higher_tier_s = 0.5
+    engine = [("b0", 5, 1)]
+
+    async def fill(priority: int, higher: tuple[int, ...], pool: str = "pool") -> int:
+        """Slots a tier takes, one request at a time, until it gets none."""
+        taken = 0
+        while (await ledger.take(pool, priority, higher, "a", engine)).backends:
+            taken += 1
+        return taken
+
+    try:
+        assert await fill(1, (3,)) == 5
+        await ledger.give_back("b0", 5)
+        assert (await ledger.take("pool", 3, (), "m", engine)).backends == ("b0",)
+        assert await fill(1, (3,)) == 3  # the batch's other three
+        assert await fill(3, ()) == 1  # Max's own next: the place in the engine's queue
+        await ledger.give_back("b0", 5)
+        assert await fill(2, (3,), pool="other") == 5  # another pool's Max sent nothing
+        await ledger.give_back("b0", 5)
+        await asyncio.sleep(0.6)
+        assert await fill(1, (3,)) == 5
+    finally:
+        await ledger.close()
         await redis.aclose()
 
 

@@ -81,7 +81,7 @@ async def test_a_count_that_a_later_take_overtook_is_not_applied(
     redis = Redis.from_url(clean_redis.url)
     ledger = SlotLedger(redis)
     try:
-        assert (await ledger.take("pool", 1, (), "a", [("b0", 4)])).backends == ("b0",)
+        assert (await ledger.take("pool", 1, (), "a", [("b0", 4, 0)])).backends == ("b0",)
         assert await ledger.beat(held=(0, {})) == -1  # counted before that take: skipped
         assert await counted(redis) == {"b0": 1}
         assert await ledger.beat(held=(1, {"b0": 1})) == 0

@@ -8,7 +8,7 @@ from collections import Counter, deque
 
 import pytest
 
-from proxy.config import BackendSpec, HealthSection
+from proxy.config import BackendSpec, HealthSection, RoutingSection
 from proxy.errors import GatewayError
 from proxy.upstream.fleet_state import FleetRecord
 from proxy.upstream.health import Probe
@@ -90,3 +90,25 @@ def test_all_down_is_an_immediate_503_with_retry_after() -> None:
         router.chat_pool(MODEL).pick()
     assert caught.value.status == 503 and caught.value.headers["Retry-After"] == "1"
     assert "no healthy backend" in caught.value.message
+
+
+def test_a_vllm_engine_with_a_batch_of_four_or_more_is_sent_one_request_to_queue() -> None:
+    """[routing] engine_queue: the next request waits in the engine's own queue, where it
+    queues (vLLM; TGI answers 429 beyond its limit) and a higher tier loses little (batch 4+)."""
+    specs = [spec("big", max_concurrency=8), spec("small", max_concurrency=3),
+             BackendSpec(name="tgi", kind="tgi", url="http://tgi:80", models=[MODEL],
+                         max_concurrency=8)]
+
+    def slots(routing: RoutingSection) -> dict[str, tuple[int, int]]:
+        return {b.name: (b.batch, b.slots) for b in Router(specs, routing=routing).backends}
+
+    assert slots(RoutingSection()) == {"big": (8, 9), "small": (3, 3), "tgi": (8, 8)}
+    assert slots(RoutingSection(engine_queue=2))["big"] == (8, 10)
+    assert slots(RoutingSection(engine_queue=0))["big"] == (8, 8)
+    # Without the dispatcher each worker caps its own: nothing to hide a hand-off for.
+    assert slots(RoutingSection(dispatch=False))["big"] == (8, 8)
+    big = Router(specs).backends[0]
+    big.outstanding = 8
+    assert big.available  # its ninth, to wait in the engine
+    big.outstanding = 9
+    assert not big.available

@@ -113,7 +113,7 @@ def test_a_busy_holder_loses_to_prefilling_elsewhere_and_then_both_hold_it() -> 
         load(backend, waiting=0, running=2)
     assert pool.preferred(prompt=prompt)[0] is holder  # cached: worth more than 2 in flight
     # Its batch full and a queue behind it: waiting costs more than prefilling elsewhere.
-    load(holder, waiting=4, running=pool.backends[0].slots)
+    load(holder, waiting=4, running=pool.backends[0].batch)
     spill = pool.pick(prompt=prompt)
     assert spill is not holder
     load(holder, waiting=0, running=2)
@@ -149,13 +149,13 @@ def test_a_busy_holder_is_worth_waiting_for_as_long_as_prefilling_elsewhere_cost
     assert 0.25 < patience < 0.4  # ~1,000 tokens at 60 ms per 1,000, five times
     # Its batch full, nobody queued: still first, worth the same wait less what its fuller
     # batch slows a first token (the wait for its slot is what the dispatcher finds out).
-    load(holder, waiting=0, running=holder.slots)
+    load(holder, waiting=0, running=holder.batch)
     order, hold, patience = pool.ranked(prompt=prompt)
-    slower = CONTENTION * 0.5 * (holder.slots - 2) / holder.slots
+    slower = CONTENTION * 0.5 * (holder.batch - 2) / holder.batch
     assert (order[0], hold, patience) == (holder, 1, pytest.approx(saved - slower))
     # A queue behind it (60 at 0.5 s over 64 slots: longer than the prefill saved): no
     # longer first, and nothing to wait for.
-    load(holder, waiting=60, running=holder.slots)
+    load(holder, waiting=60, running=holder.batch)
     assert pool.ranked(prompt=prompt)[0][0] is not holder
     assert pool.ranked(prompt=prompt)[1:] == (0, 0.0)
     # Two holders alike: either will do, the third is the one not worth taking at once.

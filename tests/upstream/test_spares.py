@@ -99,12 +99,12 @@ async def test_the_ledger_grants_spares_only_on_the_first_backend_while_half_the
         clean_redis: RedisProcess) -> None:
     redis = Redis.from_url(clean_redis.url)
     ledger, other = SlotLedger(redis), SlotLedger(redis)
-    offer = [("b0", 32), ("b1", 32)]  # 64 slots: spares only while 32 stay free
+    offer = [("b0", 32, 0), ("b1", 32, 0)]  # 64 slots: spares only while 32 stay free
     try:
         assert await ledger.take("pool", 1, (), "a", offer, spare=4) == Taken(("b0",), 0, 0, 4)
         assert await held(clean_redis.url) == {"b0": 5}
         for _ in range(24):
-            assert (await ledger.take("pool", 1, (), "b", [("b1", 32)])).backends == ("b1",)
+            assert (await ledger.take("pool", 1, (), "b", [("b1", 32, 0)])).backends == ("b1",)
         # 34 free after its own slot: two spares leave 32.
         got = await ledger.take("pool", 1, (), "a", offer, spare=4)
         assert (got.backends, got.spare) == (("b0",), 2)
@@ -112,9 +112,9 @@ async def test_the_ledger_grants_spares_only_on_the_first_backend_while_half_the
         assert (got.backends, got.spare) == (("b0",), 0)
         assert await held(clean_redis.url) == {"b0": 9, "b1": 24}
         # The first is full: the slot is the second's, and no spares (the first's only).
-        assert (await ledger.take("pool", 1, (), "c", [("full", 1), *offer])).backends == (
+        assert (await ledger.take("pool", 1, (), "c", [("full", 1, 0), *offer])).backends == (
             "full",)
-        got = await ledger.take("pool", 1, (), "c", [("full", 1), *offer], spare=4)
+        got = await ledger.take("pool", 1, (), "c", [("full", 1, 0), *offer], spare=4)
         assert (got.backends, got.spare) == (("b0",), 0)
         await ledger.give_back("b0", 40)  # never more than the process holds
         await ledger.give_back("full", 1)
@@ -156,12 +156,12 @@ async def test_requests_make_no_ledger_call_while_the_pool_is_far_from_full(
 async def test_a_request_queued_in_another_gateway_gets_the_slots_kept_spare(
         simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine of 16 slots that queues nothing (a 17th request would be refused by it): one
-    gateway keeps a slot spare after its short request, while the other sends 16 long ones at
-    once; the 16th waits for the spare, gets it when its lease ends, and the engine never sees
-    17."""
+    """An engine of batch 16 that queues one request (the gateway's [routing] engine_queue; an
+    18th in flight would be refused by it): one gateway keeps a slot spare after its short
+    request, while the other sends 17 long ones at once; the 17th waits for the spare, gets it
+    when its lease ends, and the engine never sees 18."""
     monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "ops")
-    sim = await simulator(tokens_per_s=100, max_concurrency=16, max_queued=16)
+    sim = await simulator(tokens_per_s=100, max_concurrency=16, max_queued=17)
     spec = {"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
             "models": [MODEL], "max_concurrency": 16}
     keeper = await gateway(spec, policies={"tiers.toml": TIERS})
@@ -172,20 +172,22 @@ async def test_a_request_queued_in_another_gateway_gets_the_slots_kept_spare(
     assert await held(clean_redis.url) == {"b0": 1}  # its slot, kept spare
     async with aiohttp.ClientSession() as s, s.get(keeper.make_url("/admin/backends"),
                                                    headers={"Authorization": "Bearer ops"}) as r:
-        assert (await r.json())["data"][0]["slots"] == {"max": 16, "in_use": 1, "spare": 1}
-    done = await asyncio.gather(*(chat(other, key, f"burst {i}", tokens=40) for i in range(16)))
-    assert [status for status, _ in done] == [200] * 16, done
+        assert (await r.json())["data"][0]["slots"] == {
+            "max": 17, "batch": 16, "in_use": 1, "spare": 1}
+    done = await asyncio.gather(*(chat(other, key, f"burst {i}", tokens=40) for i in range(17)))
+    assert [status for status, _ in done] == [200] * 17, done
     assert {r["outcome"] for r in await sim_requests(sim)} == {"completed"}
     await none_held(clean_redis.url)
 
 
 async def test_spares_never_leak_nor_overfill_the_engine_when_clients_leave_at_any_moment(
         simulator: SimulatorFactory, gateway: GatewayFactory, clean_redis: RedisProcess) -> None:
-    """Two gateways on an engine of 32 slots that refuses a 33rd, both keeping spares: waves of
+    """Two gateways on an engine of batch 32 that queues one more (the gateway's [routing]
+    engine_queue) and refuses a 34th in flight, both keeping spares: waves of
     requests on both, some cut off at every point (while admitted, while taking a slot, while
     streaming), some running to the end. The engine never refuses one, every slot (spares
     too) is back in the ledger soon after, and both gateways still serve."""
-    sim = await simulator(tokens_per_s=200, max_concurrency=32, max_queued=32,
+    sim = await simulator(tokens_per_s=200, max_concurrency=32, max_queued=33,
                           default_completion_tokens=8)
     spec = {"name": "b0", "kind": "vllm", "url": str(sim.make_url("/")).rstrip("/"),
             "models": [MODEL], "max_concurrency": 32}

@@ -118,10 +118,12 @@ async def test_an_unrenderable_answer_is_502_and_free(
 
 async def leave_while_redis_stalls(redis: Redis, gw: TestServer, headers: dict[str, str]
                                    ) -> None:
-    """Redis stalls 0.6 s; a chat request is sent meanwhile and its client gives up at 0.2 s."""
-    stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "0.6"))
+    """Redis stalls 1.5 s; a chat request is sent meanwhile and its client gives up at 0.5 s
+    (by then its script is on its way to the stalled Redis, even on a loaded machine: with
+    0.6 and 0.2 s, the gateway once had not sent it yet when the client left)."""
+    stall = asyncio.create_task(redis.execute_command("DEBUG", "SLEEP", "1.5"))
     await asyncio.sleep(0.05)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
         with pytest.raises(TimeoutError):
             await session.post(gw.make_url(ROUTES["compat"][0]), json=ROUTES["compat"][1],
                                headers=headers)

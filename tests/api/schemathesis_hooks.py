@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from urllib.parse import unquote
 
 import schemathesis
 from schemathesis import Case, Response
@@ -86,11 +87,12 @@ def filter_failure(context: HookContext, failure: Failure, case: Case,
 def _unresolved_link(case: Case, response: Response) -> bool:
     """The stateful phase follows a link whose value the earlier answer did not hold (an
     overview listing no account yet, as on a busy machine) by sending the path's template
-    itself, `/admin/accounts/{account}/...`: braces the parameter's pattern forbids, so the
-    documented 422 is no "schema-valid request rejected"."""
-    values = (case.path_parameters or {}).values()
-    return response.status_code == 422 and ("{" in case.formatted_path or any(
-        isinstance(v, str) and v.startswith("{") and v.endswith("}") for v in values))
+    itself, `/admin/accounts/{account}/...` (once percent-encoded, `%7Baccount%7D`): braces
+    the parameter's pattern forbids, so the documented 422 is no "schema-valid request
+    rejected"."""
+    values = [unquote(v) for v in (case.path_parameters or {}).values() if isinstance(v, str)]
+    return response.status_code == 422 and ("{" in unquote(case.formatted_path) or any(
+        v.startswith("{") and v.endswith("}") for v in values))
 
 
 def _not_audio(case: Case, response: Response) -> bool:

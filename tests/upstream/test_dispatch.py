@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -77,6 +78,19 @@ async def keys(redis_url: str, *pairs: tuple[str, str]) -> list[str]:
     return made
 
 
+async def backends_once(gw: TestServer, ready: Callable[[dict[str, Any]], bool]
+                        ) -> dict[str, Any]:
+    """/admin/backends (admin token "ops") polled until `ready` holds of it (5 s at most)."""
+    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(gw.make_url("/admin/backends"),
+                             headers={"Authorization": "Bearer ops"}) as r:
+                view: dict[str, Any] = await r.json()
+            if ready(view):
+                return view
+            await asyncio.sleep(0.01)
+
+
 async def nothing_held(redis_url: str) -> None:
     """Wait (10 s at most) until the ledger holds no slot and nobody waits in it."""
     redis = Redis.from_url(redis_url)
@@ -100,14 +114,8 @@ async def test_max_runs_before_a_basic_burst_and_the_engine_never_sees_two(
     sim, [gw] = await one_slot(simulator, gateway)
     basic, top = await keys(clean_redis.url, ("basic", "acct-basic"), ("max", "acct-max"))
     burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(6)]
-    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
-        while True:  # the burst is queued behind the first
-            async with s.get(gw.make_url("/admin/backends"),
-                             headers={"Authorization": "Bearer ops"}) as r:
-                view = await r.json()
-            if view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}:
-                break
-            await asyncio.sleep(0.01)
+    # The burst is queued behind the first.
+    view = await backends_once(gw, lambda v: v["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}})
     assert view["queues"] == {f"chat/{MODEL}/direct": {"basic": 5}}
     assert view["data"][0]["slots"] == {"max": 1, "batch": 1, "in_use": 1, "spare": 0}
     first_max = asyncio.create_task(chat(gw, top, "max"))
@@ -134,15 +142,8 @@ async def test_lower_tiers_leave_headroom_for_the_tiers_above(
                        policies={"tiers.toml": tiers(headroom=0.2)}, routing={"engine_queue": 0})
     basic, top = await keys(clean_redis.url, ("basic", "acct-hb"), ("max", "acct-hm"))
     burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(6)]
-    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
-        while True:
-            async with s.get(gw.make_url("/admin/backends"),
-                             headers={"Authorization": "Bearer ops"}) as r:
-                view = await r.json()
-            if view["queues"] == {f"chat/{MODEL}/direct": {"basic": 2}} and \
-                    view["data"][0]["slots"]["in_use"] == 4:
-                break
-            await asyncio.sleep(0.01)
+    await backends_once(gw, lambda v: v["queues"] == {f"chat/{MODEL}/direct": {"basic": 2}}
+                        and v["data"][0]["slots"]["in_use"] == 4)
     done = await asyncio.gather(*burst, chat(gw, top, "max"))
     assert [status for status, _, _ in done] == [200] * 7
     seen = order(await sim_requests(sim))
@@ -164,16 +165,9 @@ async def test_an_engine_of_batch_four_queues_one_request_and_max_still_runs_nex
                        policies={"tiers.toml": tiers()})
     basic, top = await keys(clean_redis.url, ("basic", "acct-qb"), ("max", "acct-qm"))
     burst = [asyncio.create_task(chat(gw, basic, f"basic {i}")) for i in range(8)]
-    async with asyncio.timeout(5), aiohttp.ClientSession() as s:
-        while True:
-            async with s.get(gw.make_url("/admin/backends"),
-                             headers={"Authorization": "Bearer ops"}) as r:
-                view = await r.json()
-            if view["queues"] == {f"chat/{MODEL}/direct": {"basic": 3}}:
-                break
-            await asyncio.sleep(0.01)
-        async with s.get(sim.make_url("/metrics")) as r:
-            engine = await r.text()
+    view = await backends_once(gw, lambda v: v["queues"] == {f"chat/{MODEL}/direct": {"basic": 3}})
+    async with aiohttp.ClientSession() as s, s.get(sim.make_url("/metrics")) as r:
+        engine = await r.text()
     assert view["data"][0]["slots"] == {"max": 5, "batch": 4, "in_use": 5, "spare": 0}
     figures = parse_signals("vllm", engine, 0.0)
     assert figures is not None and (figures.running, figures.waiting) == (4, 1)

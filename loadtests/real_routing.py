@@ -3,7 +3,8 @@ KV-cache events and its learned prefill price, beside vllm-router and sglang-rou
 are installed.
 
     python -m loadtests.real_routing [--seeds 1,2,3] [--configs prefix,prefix-events,...]
-        [--requests 240] [--concurrency 6] [--prefill-ms-per-1k-tokens N] [--json PATH]
+        [--requests 240] [--concurrency 6] [--prefill-ms-per-1k-tokens N] [--engine-queue N]
+        [--json PATH]
     (configs: prefix, prefix-events, vllm-router, sglang-router by default; prefix-fixed)
 
 For each seed and config, two fresh real vLLM replicas (the real-engine tier's tiny model and
@@ -154,6 +155,8 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
                                                       "learn_prefill": config != "prefix-fixed"}
             if args.prefill_ms_per_1k_tokens is not None:
                 routing["prefill_ms_per_1k_tokens"] = args.prefill_ms_per_1k_tokens
+            if args.engine_queue is not None:
+                routing["engine_queue"] = args.engine_queue
             gateway_config = write_gateway_config(
                 folder, port=port, ledger_fsync="everysec", routing=routing,
                 backends=[Backend(r.name, "vllm", r.url, SERVED, 1, SLOTS, r.events_url)
@@ -223,6 +226,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=None,
                    help="the gateway's [routing] prefill_ms_per_1k_tokens (default: its own)")
+    p.add_argument("--engine-queue", type=int, default=None,
+                   help="the gateway's [routing] engine_queue (default: its own, 1)")
     p.add_argument("--json", type=Path, help="write the runs and the summary here")
     args = p.parse_args(argv)
     try:

@@ -2,7 +2,7 @@
 engines, beside two Rust serving routers (vllm-router, sglang-router) when they are installed.
 
     python -m loadtests.routing [--duration 45] [--json PATH] [--strict] [--quick]
-        [--workload starts|sessions] [--runs N] [--routers]
+        [--workload starts|sessions] [--runs N] [--routers] [--engine-queue N]
 
 For each pick (p2c, engine, prefix), one run starts three fresh vLLM simulators that behave
 like engines (a running batch of 8, a prefill cost per uncached prompt token, paced tokens, a KV
@@ -468,7 +468,8 @@ def run_pick(pick: str, args: argparse.Namespace, schedule: list[Planned]) -> Pi
             # Routing, not the ledger's fsync, is measured: keep the disk off the path.
             ledger_fsync="everysec",
             routing={"pick": "prefix" if pick in (EVENTS, FIXED) else pick,
-                     **({"learn_prefill": False} if pick == FIXED else {}), **args.score})
+                     **({"learn_prefill": False} if pick == FIXED else {}), **args.score,
+                     **({} if args.engine_queue is None else {"engine_queue": args.engine_queue})})
         gateway = start("gateway", gateway_args(config, port, workers=WORKERS))
         wait_ready(f"http://127.0.0.1:{port}/readyz", server=gateway)
         gateway_worker_pids(gateway.pid, WORKERS)
@@ -690,6 +691,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--score", default="", metavar="NAME=W,...",
                    help="the engine score's weights given to the gateway, e.g. "
                         "running_weight=0.25,kv_cache_weight=2 (default: as shipped)")
+    p.add_argument("--engine-queue", type=int, help="the gateway's [routing] engine_queue "
+                   "(default: as shipped, 1)")
     p.add_argument("--kv-cache-blocks", type=int, help="each simulator's KV cache, in blocks "
                    "of 16 tokens (default 512: about five system prompts and a batch)")
     p.add_argument("--single-turn", action="store_true",

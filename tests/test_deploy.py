@@ -30,6 +30,7 @@ from proxy.config import load_config
 from proxy.credits.ledger import Ledger
 from proxy.observe.metrics import Labels, Metrics
 from proxy.runtime.signal_scraper import SignalScraper
+from proxy.store.background import stop_task
 from proxy.store.redis_process import RedisProcess
 from proxy.upstream.fleet_state import signals_key
 from tests.support.accounts import new_key
@@ -550,8 +551,7 @@ async def test_dashboard_metrics_appear_in_a_live_scrape(
             if "igw_engine_waiting{" in text:
                 break
             await asyncio.sleep(0.1)
-    scraper.cancel()
-    await asyncio.gather(scraper, return_exceptions=True)
+    await stop_task(scraper)
     await scraper_redis.aclose()
     families = list(text_string_to_metric_families(text))
     exposed = exposed_names(families)

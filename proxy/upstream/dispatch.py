@@ -45,6 +45,7 @@ from redis.exceptions import RedisError
 
 from proxy.errors import GatewayError
 from proxy.observe.metrics import Metrics
+from proxy.store.background import stop_task
 from proxy.upstream.early import Early
 from proxy.upstream.holdings import Holdings
 from proxy.upstream.pool import Backend, Pool, free_here, offer
@@ -192,9 +193,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         for task in (*self._pumps.values(), *self._background):
-            task.cancel()
-        await asyncio.gather(*self._pumps.values(), *self._background,
-                             return_exceptions=True)
+            await stop_task(task)  # it cancels again where redis-py swallowed the first
         if self.ledger is not None:
             for name, count in self.spares.take_all().items():
                 await self._give_back(name, count)

@@ -22,7 +22,6 @@ Off the request path: nothing a request does waits for an event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 
 import msgspec
@@ -30,6 +29,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from proxy.store.background import stop_task
 from proxy.upstream.kv_blocks import EngineBlocks, EngineHash
 from proxy.upstream.pool import Backend
 
@@ -171,7 +171,4 @@ class KvEvents:
 
     async def close(self) -> None:
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)

@@ -24,6 +24,7 @@ from proxy.app import build_app
 from proxy.config import KeysPolicy, load_config
 from proxy.identity import apikeys
 from proxy.identity.keystore import KeyStore
+from proxy.store.background import stop_task
 from proxy.store.redis_process import RedisProcess
 from tests.support.config_files import write_config
 from tests.support.processes import free_port
@@ -211,6 +212,7 @@ import asyncio, sys
 from redis.asyncio import Redis
 from proxy.config import KeysPolicy, load_config
 from proxy.identity.keystore import KeyStore
+from proxy.store.background import stop_task
 
 async def main() -> None:
     key = sys.stdin.readline().strip()
@@ -224,8 +226,7 @@ async def main() -> None:
     while (await store.lookup(key)).active:
         await asyncio.sleep(0.005)
     print("revoked", flush=True)
-    listener.cancel()
-    await asyncio.gather(listener, return_exceptions=True)
+    await stop_task(listener)
     await redis.aclose()
 
 asyncio.run(main())
@@ -274,8 +275,7 @@ async def test_reconnect_clears_cache_so_a_missed_revocation_is_not_trusted(
         await until(lambda: store.listener_connects > connects)
         assert (await store.lookup(raw)).status == "revoked"  # type: ignore[union-attr]
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        await stop_task(listener)
     assert listener.cancelled()
 
 
@@ -308,8 +308,7 @@ async def test_listener_survives_redis_restart(tmp_path: Path) -> None:
 
         await until(revoked, within=1.0)
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        await stop_task(listener)
         await redis.aclose()
         proc.stop()
     assert listener.cancelled()
@@ -331,8 +330,7 @@ async def test_listener_pings_a_quiet_channel_without_reconnecting(redis: Redis)
         await redis.execute_command("CLIENT", "PAUSE", "300", "ALL")
         await until(lambda: store.listener_connects > connects, within=3.0)
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        await stop_task(listener)
 
 
 async def test_listener_cancels_cleanly_while_redis_is_away() -> None:
@@ -341,8 +339,7 @@ async def test_listener_cancels_cleanly_while_redis_is_away() -> None:
     listener = asyncio.create_task(store.listen_for_revocations())
     await asyncio.sleep(0.3)
     assert not listener.done() and not store.listening
-    listener.cancel()
-    await asyncio.gather(listener, return_exceptions=True)
+    await stop_task(listener)
     assert listener.cancelled()
     await redis.aclose()
 

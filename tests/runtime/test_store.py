@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from proxy.store.background import stop_task
 from proxy.store.client import POOL_SIZE, Primaries, connect_redis, store_kind, url_problem
 from proxy.store.lease import Lease, lease_key
 from proxy.store.redis_process import RedisProcess
@@ -153,3 +154,31 @@ async def test_a_burst_past_the_pool_waits_for_a_connection_on_a_cluster_and_sen
                 assert waits == [None] * (2 * POOL_SIZE), {type(w) for w in waits}
             finally:
                 await store.aclose()
+
+
+async def test_stopping_a_redis_loop_ends_it_though_redis_py_swallows_a_cancellation(
+        clean_redis: RedisProcess) -> None:
+    """redis-py (8.1) can swallow a cancellation that lands inside a blocking command: the
+    command returns empty and the loop goes on (redis/redis-py#2028). A stopped background loop
+    ends anyway: `stop_task` cancels again. A loop shaped like PrefixShare.run, cancelled at
+    60 different moments of its read; a single cancel left such a loop running forever."""
+    redis = Redis.from_url(clean_redis.url)
+    survived_a_cancel = 0
+
+    async def follow() -> None:
+        nonlocal survived_a_cancel
+        me = asyncio.current_task()
+        assert me is not None
+        while True:
+            await redis.xread({"stream": "$"}, count=10, block=50)
+            survived_a_cancel += me.cancelling() > 0
+
+    try:
+        for moment in range(60):
+            task = asyncio.create_task(follow())
+            await asyncio.sleep(0.001 * moment)
+            await asyncio.wait_for(stop_task(task), 5)
+            assert task.cancelled()
+    finally:
+        await redis.aclose()
+    print(f"cancellations swallowed by redis-py: {survived_a_cancel} of 60")

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from proxy.config import BackendSpec, RoutingSection, TierPolicy
 from proxy.errors import ErrorKind, GatewayError
 from proxy.policy.tiers import check_queue_budget
+from proxy.store.background import stop_task
 from proxy.store.redis_process import RedisProcess
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefix_share import PrefixShare
@@ -271,8 +272,7 @@ async def test_workers_learn_each_others_placements(clean_redis: RedisProcess) -
             prompt.blocks)
     finally:
         for task in following:
-            task.cancel()
-        await asyncio.gather(*following, return_exceptions=True)
+            await stop_task(task)  # redis-py can swallow a cancellation: stop_task cancels again
         for share in shares:
             await share.close()
         await redis.aclose()

@@ -4,7 +4,7 @@ are installed.
 
     python -m loadtests.real_routing [--seeds 1,2,3] [--configs prefix,prefix-events,...]
         [--requests 240] [--concurrency 6] [--prefill-ms-per-1k-tokens N] [--engine-queue N]
-        [--json PATH]
+        [--trace] [--json PATH]
     (configs: prefix, prefix-events, vllm-router, sglang-router by default; prefix-fixed)
 
 For each seed and config, two fresh real vLLM replicas (the real-engine tier's tiny model and
@@ -99,9 +99,11 @@ def counters(url: str, names: Sequence[str] = COUNTERS) -> dict[str, list[float]
 
 
 async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict[str, str]]],
-                concurrency: int) -> tuple[list[float], int]:
+                concurrency: int, traced: dict[int, tuple[str, int, int]] | None = None,
+                ) -> tuple[list[float], int]:
     """Each conversation streamed, `concurrency` at a time; their times to first token, and
-    how many failed."""
+    how many failed. With `traced`, each answer's id and usage (prompt and cached tokens)
+    by conversation."""
     gate = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     errors = 0
@@ -111,7 +113,10 @@ async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict
         headers = {"X-Request-Id": f"real-routing-{i}"}  # in the gateway's access log
         if keys:
             headers["X-API-Key"] = keys[i % len(keys)]
-        body = {"model": SERVED, "messages": messages, "max_tokens": 4, "stream": True}
+        body: dict[str, Any] = {"model": SERVED, "messages": messages, "max_tokens": 4,
+                                "stream": True}
+        if traced is not None:
+            body["stream_options"] = {"include_usage": True}
         async with gate:
             started = time.perf_counter()
             first = None
@@ -120,6 +125,13 @@ async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict
                     async for line in resp.content:
                         if first is None and line.startswith(b"data: {"):
                             first = time.perf_counter() - started
+                        if traced is not None and b'"usage":{' in line.replace(b" ", b""):
+                            chunk = json.loads(line.removeprefix(b"data: "))
+                            usage = chunk.get("usage") or {}
+                            cached = (usage.get("prompt_tokens_details") or {}).get(
+                                "cached_tokens") or 0
+                            traced[i] = (chunk.get("id", ""), usage.get("prompt_tokens", 0),
+                                         cached)
                     ok = resp.status == 200 and first is not None
             except (aiohttp.ClientError, TimeoutError):
                 ok = False
@@ -136,7 +148,9 @@ async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict
 def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Two fresh replicas, `config` in front of them, the seed's requests."""
     events = config == "prefix-events"
-    replicas = [Replica(f"r{i}", free_port(), i, work / f"{config}-{seed}-r{i}.log", args=ARGS,
+    extra = ("--enable-log-requests",) if args.trace else ()  # each request's id, per replica
+    replicas = [Replica(f"r{i}", free_port(), i, work / f"{config}-{seed}-r{i}.log",
+                        args=(*ARGS, *extra),
                         events_port=free_port() if events else None) for i in range(2)]
     engines = Engines(replicas, work / "prepare.log")
     keys: tuple[str, ...] = ()
@@ -168,8 +182,9 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
             url = f"http://127.0.0.1:{port}{CHAT_PATH}"
             keys = tuple(create_keys(gateway_config, 8, credits_each=100_000))
         before = [counters(r.url) for r in replicas]
-        ttfts, errors = asyncio.run(drive(url, keys, workload(seed, args.requests),
-                                          args.concurrency))
+        conversations = workload(seed, args.requests)
+        traced: dict[int, tuple[str, int, int]] | None = {} if args.trace else None
+        ttfts, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced))
         after = [counters(r.url) for r in replicas]
         # The gateway's price at the end: its pool's, the least of its engines' fitted ones.
         learned = min(counters(url.removesuffix(CHAT_PATH), [LEARNED])[LEARNED],
@@ -178,12 +193,41 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
         for name in COUNTERS)
     computed = prompt - hits  # the sums' ratio (fixed costs in), what an operator reads by hand
-    return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts),
+    misses = {} if traced is None else {"requests_by_kind": where_cached(
+        conversations, traced, {r.name: r.log for r in replicas})}
+    return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts), **misses,
             "hit_rate": hits / queries if queries else float("nan"),
             "prefill_ms_per_1k_tokens": prefill_s / computed * 1e6 if computed else float("nan"),
             "learned_ms_per_1k_tokens": learned,
             "ttft_p50_ms": loadgen.percentile(ttfts, 50) * 1000,
             "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
+
+
+def where_cached(conversations: Sequence[list[dict[str, str]]],
+                 traced: dict[int, tuple[str, int, int]], logs: dict[str, Path]) -> dict[str, int]:
+    """`--trace`: each request (in sending order) by what its replica held of its system
+    prompt: `first` (no replica had been sent it), `elsewhere` (this replica had not, another
+    had), `evicted` (this one had, but found less than half the prompt cached), `hit`, and
+    `unmatched` (no replica logged its id)."""
+    replica_of = {}
+    for name, log in logs.items():
+        for line in log.read_text(errors="replace").splitlines():
+            if "Received request " in line:
+                replica_of[line.split("Received request ", 1)[1].split(":", 1)[0]] = name
+    sent: dict[str, set[str]] = {}  # system prompt -> replicas sent it
+    kinds = dict.fromkeys(("first", "elsewhere", "evicted", "hit", "unmatched"), 0)
+    for i in sorted(traced):
+        answer_id, prompt_tokens, cached = traced[i]
+        replica = replica_of.get(answer_id)
+        if replica is None:
+            kinds["unmatched"] += 1
+            continue
+        holders = sent.setdefault(conversations[i][0]["content"], set())
+        kind = ("first" if not holders else "elsewhere" if replica not in holders
+                else "hit" if cached >= prompt_tokens / 2 else "evicted")
+        kinds[kind] += 1
+        holders.add(replica)
+    return kinds
 
 
 def summarise(runs: Sequence[dict[str, Any]], configs: Sequence[str]) -> list[dict[str, Any]]:
@@ -228,6 +272,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the gateway's [routing] prefill_ms_per_1k_tokens (default: its own)")
     p.add_argument("--engine-queue", type=int, default=None,
                    help="the gateway's [routing] engine_queue (default: its own, 1)")
+    p.add_argument("--trace", action="store_true",
+                   help="classify each request by what its replica held of its prompt (first "
+                        "sight, sent elsewhere, evicted, hit): the engines log every request")
     p.add_argument("--json", type=Path, help="write the runs and the summary here")
     args = p.parse_args(argv)
     try:
@@ -264,6 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"requests a run, {args.concurrency} at a time, seeds {args.seeds}; "
           + ", ".join(f"{name} {v}" for name, v in versions.items() if v and name in configs))
     print(render(rows))
+    for config in configs if args.trace else ():
+        kinds: dict[str, int] = {}
+        for r in runs:
+            for kind, n in r["requests_by_kind"].items() if r["config"] == config else ():
+                kinds[kind] = kinds.get(kind, 0) + n
+        print(f"{config:<15} requests by what their replica held: "
+              + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "summary": rows}, indent=2))
     return 0

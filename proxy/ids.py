@@ -20,3 +20,7 @@ def hex_id() -> str:
 def task_id(mode: str) -> str:
     """`direct:<uuid>` or `network:<uuid>` (spec)."""
     return f"{mode}:{uuid.uuid4()}"
+
+
+# What `task_id` makes, as the OpenAPI document states it.
+TASK_ID_PATTERN = "^(direct|network):[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"

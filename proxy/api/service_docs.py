@@ -53,10 +53,12 @@ from proxy.api.response_bodies import (
     WebhookList,
     WebhookView,
 )
+from proxy.blobs.base import KEY_PATTERN
 from proxy.credits.idempotency import HEADER as IDEMPOTENCY_KEY
 from proxy.credits.idempotency import MAX_KEY_LENGTH
 from proxy.identity.apikeys import KEY_ID_HEX, KEY_ID_PREFIX
 from proxy.identity.keystore import ACCOUNT_PATTERN
+from proxy.ids import TASK_ID_PATTERN
 
 MODELS: Final = Doc(
     summary="List current models",
@@ -76,6 +78,8 @@ TASK: Final = Doc(
                 "answered. Results are kept [tasks] result_ttl_s (a day by default).",
     responses={200: Response("The task", TaskRecord), **errors("gateway", 401, 404, 503)},
     tags=("tasks",),
+    params=(("path", Param("task_id", {"type": "string", "pattern": TASK_ID_PATTERN},
+                           "The id the 202 answer gave", required=True)),),
 )
 MEDIA: Final = Doc(
     summary="Fetch the audio (or video) of a finished task",
@@ -85,6 +89,8 @@ MEDIA: Final = Doc(
                416: Response("The range is outside the media", None, TEXT),
                **errors("gateway", 401, 404, 503)},
     tags=("tasks",),
+    params=(("path", Param("media_key", {"type": "string", "pattern": KEY_PATTERN},
+                           "The `media_key` of the finished task's result", required=True)),),
 )
 TTS_PRESETS: Final = Doc(
     summary="List voice presets",

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 HOUR_S = 3600
-_KEY = re.compile(r"^([0-9]{10,12})-([0-9a-f]{32})$")
+KEY_PATTERN = r"^([0-9]{10,12})-([0-9a-f]{32})$"  # what `new_key` makes: expiry, random part
+_KEY = re.compile(KEY_PATTERN)
 
 
 class StoreFailed(Exception):

@@ -6,6 +6,7 @@ not run one; the figures are in loadtests/README.md.
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,22 @@ def test_the_defaults_run_every_config_on_three_seeds() -> None:
     args = real_routing.parse_args([])
     assert args.seeds == [1, 2, 3]
     assert args.configs == ["prefix", "prefix-events", "vllm-router", "sglang-router"]
+
+
+def test_trace_sorts_requests_by_what_their_replica_held(tmp_path: Path) -> None:
+    a, b = [{"role": "system", "content": "A"}], [{"role": "system", "content": "B"}]
+    conversations = [a, a, b, a, a, b]
+    (tmp_path / "r0.log").write_text("INFO Received request chatcmpl-0: params: ...\n"
+                                     "INFO Received request chatcmpl-1: params: ...\n"
+                                     "INFO Received request chatcmpl-4: params: ...\n")
+    (tmp_path / "r1.log").write_text("INFO Received request chatcmpl-2: params: ...\n"
+                                     "INFO Received request chatcmpl-3: params: ...\n")
+    traced = {0: ("chatcmpl-0", 400, 0),     # A's first sight, on r0
+              1: ("chatcmpl-1", 400, 384),   # A again on r0: cached
+              2: ("chatcmpl-2", 400, 0),     # B's first sight, on r1
+              3: ("chatcmpl-3", 400, 0),     # A on r1, which had never been sent it
+              4: ("chatcmpl-4", 400, 32),    # A on r0 again, evicted since
+              5: ("chatcmpl-9", 400, 384)}   # logged by neither
+    kinds = real_routing.where_cached(conversations, traced,
+                                      {"r0": tmp_path / "r0.log", "r1": tmp_path / "r1.log"})
+    assert kinds == {"first": 2, "elsewhere": 1, "evicted": 1, "hit": 1, "unmatched": 1}

@@ -186,6 +186,8 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         traced: dict[int, tuple[str, int, int]] | None = {} if args.trace else None
         ttfts, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced))
         after = [counters(r.url) for r in replicas]
+        waits = (holder_waits(url.removesuffix(CHAT_PATH))
+                 if args.trace and config in GATEWAY_CONFIGS else None)
         # The gateway's price at the end: its pool's, the least of its engines' fitted ones.
         learned = min(counters(url.removesuffix(CHAT_PATH), [LEARNED])[LEARNED],
                       default=float("nan")) if config in GATEWAY_CONFIGS else float("nan")
@@ -193,14 +195,28 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
         for name in COUNTERS)
     computed = prompt - hits  # the sums' ratio (fixed costs in), what an operator reads by hand
-    misses = {} if traced is None else {"requests_by_kind": where_cached(
+    misses: dict[str, Any] = {} if traced is None else {"requests_by_kind": where_cached(
         conversations, traced, {r.name: r.log for r in replicas})}
+    if waits is not None:
+        misses["holder_waits"] = waits
     return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts), **misses,
             "hit_rate": hits / queries if queries else float("nan"),
             "prefill_ms_per_1k_tokens": prefill_s / computed * 1e6 if computed else float("nan"),
             "learned_ms_per_1k_tokens": learned,
             "ttft_p50_ms": loadgen.percentile(ttfts, 50) * 1000,
             "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
+
+
+def holder_waits(base: str) -> dict[str, float]:
+    """`--trace`: the gateway's waits for a busy holder of a prompt, by how they ended."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as page:
+        text = page.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("igw_prefix_holder_waits_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def where_cached(conversations: Sequence[list[dict[str, str]]],

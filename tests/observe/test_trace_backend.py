@@ -4,9 +4,11 @@ their ids, parent, kind, attributes, events, links and status; a failed install 
 
 from __future__ import annotations
 
+import socket
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -115,3 +117,19 @@ def test_a_failed_install_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "installing Phoenix failed" in str(failed.value)
     assert "/nonexistent/python3.11" in str(failed.value)  # the log's tail: the reason itself
     assert backend.proc is None
+
+
+@pytest.mark.timeout(300)  # two Phoenix starts, beside whatever else the machine runs
+def test_a_port_taken_before_phoenix_binds_it_is_traded_for_another(tmp_path: Path) -> None:
+    backend = TraceBackend(tmp_path)
+    with socket.socket() as squatter:  # what another test's server did to the suite once
+        squatter.bind(("127.0.0.1", backend.port))
+        squatter.listen()
+        taken = backend.port
+        try:
+            backend.start()
+            assert backend.port != taken
+            assert httpx.get(backend.url + "/readyz", timeout=5).status_code == 200
+            assert b"address already in use" in backend.log.read_bytes()
+        finally:
+            backend.stop()

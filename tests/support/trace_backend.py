@@ -58,6 +58,7 @@ CACHE = Path(os.environ.get("REAL_ENGINES_DIR") or "~/.cache/real-engines").expa
 INSTALL_TIMEOUT_S = 20 * 60  # a first install is ~1.5 min; a slow mirror gets room
 START_TIMEOUT_S = 180  # ~15 s alone; more beside two vLLM replicas starting on two cores
 STOP_GRACE_S = 10  # it stops in ~2 s
+PORT_RETRIES = 3  # starts on other ports when another process took the one chosen
 PAGE = 1000  # the REST API's largest page
 FORWARD_TIMEOUT_S = 10.0  # the OTLP exporters' own default timeout
 # Request headers the relay does not pass on (httpx sets its own).
@@ -182,6 +183,7 @@ class TraceBackend:
         self._relay_thread: threading.Thread | None = None
         self._t0 = 0.0
         self._ready = False
+        self._log_from = 0  # where the last start's lines begin in the log
 
     @property
     def url(self) -> str:
@@ -220,16 +222,27 @@ class TraceBackend:
         self._relay_thread = threading.Thread(target=self._relay.serve_forever,
                                               name="otlp-relay", daemon=True)
         self._relay_thread.start()
+        self._spawn()
+        self._t0 = time.monotonic()
+
+    def _spawn(self) -> None:
         home = self.workdir / "phoenix"
         home.mkdir(exist_ok=True)
         env = {name: value for name, value in os.environ.items()
                if not name.startswith(("PHOENIX_", "OTEL_"))}  # serve-phoenix.sh's settings
         env.update(REAL_ENGINES_DIR=str(CACHE), HOST="127.0.0.1", PHOENIX_WORKING_DIR=str(home))
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 ["bash", str(SERVE), str(self.port), str(self.grpc_port)], cwd=home, env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self._t0 = time.monotonic()
+
+    def _port_was_taken(self) -> bool:
+        """Phoenix's last start lost its port to another process (free_ports cannot reserve
+        one, and Phoenix binds seconds after its imports): it may try again on others."""
+        with self.log.open("rb") as log:
+            log.seek(self._log_from)
+            return b"address already in use" in log.read()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Until /readyz answers 200 (TraceBackendError if Phoenix exits or takes too long)."""
@@ -238,7 +251,15 @@ class TraceBackend:
         if self.proc is None:
             raise TraceBackendError("the trace backend is not started")
         deadline = self._t0 + timeout
+        retries = PORT_RETRIES
         while not self._ready:
+            if self.proc.poll() is not None and retries and self._port_was_taken():
+                retries -= 1
+                self.port, self.grpc_port = free_ports(2)
+                if self._relay is not None:
+                    self._relay.target = self.url
+                self._spawn()
+                continue
             if self.proc.poll() is not None:
                 raise TraceBackendError(f"Phoenix exited during startup (exit "
                                         f"{self.proc.returncode}); log {self.log}:\n"

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from typing import Any
 import aiohttp
 
 from loadtests import loadgen, routers
+from loadtests.routing import HOLDER_WAITS, by_label
 from loadtests.servers import (
     Backend,
     Server,
@@ -86,12 +88,15 @@ def workload(seed: int, requests: int) -> list[list[dict[str, str]]]:
     return out
 
 
+def metrics_text(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as page:
+        return str(page.read().decode())
+
+
 def counters(url: str, names: Sequence[str] = COUNTERS) -> dict[str, list[float]]:
     """Each of `names` in the /metrics at `url`: its samples' values (every label set)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as page:
-        text = page.read().decode()
     out: dict[str, list[float]] = {name: [] for name in names}
-    for line in text.splitlines():
+    for line in metrics_text(url).splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out:
             out[name].append(float(line.rsplit(" ", 1)[1]))
@@ -186,7 +191,8 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         traced: dict[int, tuple[str, int, int]] | None = {} if args.trace else None
         ttfts, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced))
         after = [counters(r.url) for r in replicas]
-        waits = (holder_waits(url.removesuffix(CHAT_PATH))
+        # `--trace`: the gateway's waits for a busy holder of a prompt, by how they ended.
+        waits = (by_label(metrics_text(url.removesuffix(CHAT_PATH)), HOLDER_WAITS, "outcome")
                  if args.trace and config in GATEWAY_CONFIGS else None)
         # The gateway's price at the end: its pool's, the least of its engines' fitted ones.
         learned = min(counters(url.removesuffix(CHAT_PATH), [LEARNED])[LEARNED],
@@ -205,18 +211,6 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
             "learned_ms_per_1k_tokens": learned,
             "ttft_p50_ms": loadgen.percentile(ttfts, 50) * 1000,
             "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
-
-
-def holder_waits(base: str) -> dict[str, float]:
-    """`--trace`: the gateway's waits for a busy holder of a prompt, by how they ended."""
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as page:
-        text = page.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("igw_prefix_holder_waits_total{"):
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def where_cached(conversations: Sequence[list[dict[str, str]]],
@@ -328,10 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           + ", ".join(f"{name} {v}" for name, v in versions.items() if v and name in configs))
     print(render(rows))
     for config in configs if args.trace else ():
-        kinds: dict[str, int] = {}
+        kinds: Counter[str] = Counter()
         for r in runs:
-            for kind, n in r["requests_by_kind"].items() if r["config"] == config else ():
-                kinds[kind] = kinds.get(kind, 0) + n
+            if r["config"] == config:
+                kinds.update(r["requests_by_kind"])
         print(f"{config:<15} requests by what their replica held: "
               + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
     if args.json:

@@ -303,6 +303,19 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+HOLDER_WAITS = "igw_prefix_holder_waits_total"  # the gateway's, by `outcome`
+
+
+def by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """Prometheus text -> {value of `label`: sum of the samples of `name` with it}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def scrape(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, float]]:
     async def one(url: str) -> dict[str, float]:
         try:
@@ -350,13 +363,8 @@ class PickRun:
     prefill_ms: dict[str, float] = field(default_factory=dict)
 
     def read_gateway_metrics(self, metrics_text: str) -> None:
-        for line in metrics_text.splitlines():
-            if line.startswith("igw_prefix_holder_waits_total{"):
-                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-                self.holder_waits[outcome] = float(line.rsplit(" ", 1)[1])
-            elif line.startswith("igw_engine_prefill_ms_per_1k_tokens{"):
-                backend = line.split('backend="', 1)[1].split('"', 1)[0]
-                self.prefill_ms[backend] = float(line.rsplit(" ", 1)[1])
+        self.holder_waits = by_label(metrics_text, HOLDER_WAITS, "outcome")
+        self.prefill_ms = by_label(metrics_text, "igw_engine_prefill_ms_per_1k_tokens", "backend")
 
     def read_access_log(self, path: Path) -> None:
         """The gateway's own view, per backend: each counted request's time to first content

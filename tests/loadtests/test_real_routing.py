@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import real_routing
+from loadtests import real_routing, routing
 
 
 def test_the_workload_is_seeded_and_draws_the_popular_system_prompts_most() -> None:
@@ -79,3 +79,13 @@ def test_trace_sorts_requests_by_what_their_replica_held(tmp_path: Path) -> None
     kinds = real_routing.where_cached(conversations, traced,
                                       {"r0": tmp_path / "r0.log", "r1": tmp_path / "r1.log"})
     assert kinds == {"first": 2, "elsewhere": 1, "evicted": 1, "hit": 1, "unmatched": 1}
+
+
+def test_the_gateways_holder_waits_are_read_by_outcome() -> None:
+    text = ('# TYPE igw_prefix_holder_waits_total counter\n'
+            'igw_prefix_holder_waits_total{model="a",outcome="holder"} 8.0\n'
+            'igw_prefix_holder_waits_total{model="b",outcome="holder"} 2.0\n'
+            'igw_prefix_holder_waits_total{model="a",outcome="elsewhere"} 1.0\n'
+            'igw_prefix_holder_waits_created{model="a",outcome="holder"} 1.7e9\n')
+    assert routing.by_label(text, routing.HOLDER_WAITS, "outcome") == {"holder": 10.0,
+                                                                        "elsewhere": 1.0}

@@ -127,10 +127,12 @@ async def test_admission_script_refusals_change_nothing(ledger: Ledger) -> None:
 
 async def test_expired_holds_are_swept(ledger: Ledger) -> None:
     await ledger.credit("acme", 100, {})
-    hold = await ledger.hold("acme", 60, ttl_s=1)
+    # Expiries are whole seconds of Redis' clock (now's second + ttl): a 1 s hold made late in
+    # a second was once due at the sweep right after it. 2 s is due no sooner than 1 s on.
+    hold = await ledger.hold("acme", 60, ttl_s=2)
     assert await ledger.sweep() == 0  # not yet due (on Redis' clock)
     assert await ledger.reconcile() == []  # open but not overdue: not a problem
-    await asyncio.sleep(2.1)
+    await asyncio.sleep(3.1)
     assert any("past their expiry" in p for p in await ledger.reconcile())  # a lost settlement
     assert await ledger.sweep() == 1
     assert (await ledger.balance("acme")).available == 100

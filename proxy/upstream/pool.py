@@ -351,13 +351,14 @@ class Pool:
             index = self.index
             for b in candidates:
                 index.resize(b.name, b.cache_tokens)
-            clock = time.monotonic()
+            clock, last = time.monotonic(), index.last_sent(prompt)
             view = PromptView(
                 uncached_tokens=[index.uncached_tokens(b.name, prompt) for b in candidates],
                 tokens=index.tokens(prompt),
                 backlog_s=[max(0.0, b.prefill_until - clock) for b in candidates],
                 idle_s=[index.idle_s(b.name, clock) for b in candidates],
-                held=[index.size(b.name) for b in candidates])
+                held=[index.size(b.name) for b in candidates],
+                last_sent=[b.name == last for b in candidates])
             return by_first_token(candidates, view, self.prefill_s_per_token, now, rng or _RNG)
         chosen = choose(self.pick_kind, candidates, weights=self.weights, now=now,
                         rng=rng or _RNG)

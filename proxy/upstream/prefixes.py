@@ -38,6 +38,7 @@ MAX_BLOCKS = 512  # a prompt's first 128 KiB are matched; beyond, replicas tie a
 CHARS_PER_TOKEN = 4.0
 SESSION_HEADER = "X-Session-Id"
 EXPECTED_KEPT = 4096  # placements awaiting the engine's word on them
+LAST_SENT_KEPT = 65_536  # prompts' first blocks whose replica is remembered past the room
 FIT_MIN, FIT_MAX = 0.5, 1.5  # how far the engines' word may move a replica's room
 
 
@@ -79,8 +80,8 @@ class PrefixIndex:
     """One pool's picture of its replicas' prefix caches (one per worker; other workers'
     placements arrive through `add` too: proxy.upstream.prefix_share)."""
 
-    __slots__ = ("_expected", "_fit", "_held", "_reported", "_room", "chars_per_token",
-                 "default_tokens")
+    __slots__ = ("_expected", "_fit", "_held", "_last_sent", "_reported", "_room",
+                 "chars_per_token", "default_tokens")
 
     def __init__(self, cache_tokens: int) -> None:
         self.default_tokens = cache_tokens
@@ -94,6 +95,9 @@ class PrefixIndex:
         self._expected: OrderedDict[tuple[str, int], int] = OrderedDict()
         # Replicas whose engines report their evictions (proxy.upstream.kv_blocks).
         self._reported: set[str] = set()
+        # A prompt's first block -> the replica it was last sent to, kept after the index
+        # forgets the blocks themselves (`last_sent`).
+        self._last_sent: OrderedDict[int, str] = OrderedDict()
 
     def learn(self, chars: int, tokens: int) -> None:
         """An engine counted `tokens` prompt tokens for a prompt of `chars` bytes (its usage):
@@ -178,6 +182,17 @@ class PrefixIndex:
             held[block] = at
             held.move_to_end(block)
         self._trim(replica)
+        if blocks:
+            self._last_sent[blocks[0]] = replica
+            self._last_sent.move_to_end(blocks[0])
+            if len(self._last_sent) > LAST_SENT_KEPT:
+                self._last_sent.popitem(last=False)
+
+    def last_sent(self, prompt: Prompt) -> str | None:
+        """The replica that was last sent a prompt beginning as `prompt` does, remembered after
+        the index forgot its blocks there: vLLM evicts a prompt from its end, so its beginning
+        may still be cached; and placing it anew elsewhere would copy it and evict another."""
+        return self._last_sent.get(prompt.blocks[0]) if prompt.blocks else None
 
     def forget(self, replica: str, blocks: Sequence[int]) -> None:
         """The replica's engine evicted these blocks (proxy.upstream.kv_blocks)."""

@@ -91,7 +91,6 @@ def pick(kind: PickKind, replicas: Sequence[Replica], *, weights: Weights, now: 
     return _p2c(replicas, rng)
 
 
-DEFAULT_SERVICE_S = 1.0  # a request's time on a replica, until one is measured
 # How much a request in flight on a replica with a free slot delays a new one, in service
 # times per slot: prefills and decode steps share the engine's batch. Small, so a cached
 # prefix wins over a few requests' difference in load, not over a full batch.
@@ -125,6 +124,7 @@ class PromptView:
     backlog_s: Sequence[float]  # prefill work each was sent and has not finished (estimated)
     idle_s: Sequence[float]  # how long unused the block each would evict next has been
     held: Sequence[int]  # blocks each is known to hold
+    last_sent: Sequence[bool]  # each was the last sent a prompt beginning as this one does
 
 
 R = TypeVar("R", bound=Replica)
@@ -152,7 +152,10 @@ def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token:
     speed.
 
     A prompt no replica holds `COLD_SHARE` of is new: among the replicas within one fast
-    prefill of it of the cheapest, it goes where the cache would evict the block unused
+    prefill of it of the cheapest, it goes back to the one it was last sent to, if any
+    (`PromptView.last_sent`: the index forgot it, but that engine may still hold its
+    beginning; sent anew to another, 6 of 240 prompts went elsewhere on real vLLM,
+    loadtests.real_routing, 2026-11-29), else where the cache would evict the block unused
     longest (one with room first, the emptiest of those), so new prompts spread over every
     replica's cache; choosing by speed alone put every new prompt on the fast replicas and
     left the slow one's cache idle (and within three prefills, its prefill lane backed up:
@@ -164,11 +167,17 @@ def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token:
     evicted another prompt (loadtests.routing, 2026-11-28)."""
     services = [r.service_s for r in replicas]
     measured = all(s is not None and s > 0 for s in services)
-    fastest = min(s or 0.0 for s in services) if measured else DEFAULT_SERVICE_S
+    # Until every replica's time per request is measured, the least a request takes on any:
+    # the prefill of this whole prompt. A fixed second made a busy holder look a quarter of a
+    # second away on engines that answer in 20 ms, and moved its prompts while the pool
+    # started (5 of 11 moves on real vLLM, loadtests.real_routing, 2026-11-29); a wait too
+    # short costs at most the holder's patience.
+    unmeasured = view.tokens * prefill_s_per_token
+    fastest = min(s or 0.0 for s in services) if measured else unmeasured
     costs, waits = {}, {}
     for replica, service, uncached, backlog in zip(replicas, services, view.uncached_tokens,
                                                    view.backlog_s, strict=True):
-        held = service if measured and service else DEFAULT_SERVICE_S
+        held = service if measured and service else unmeasured
         places = max(1, replica.batch)
         load = replica.in_flight(now)
         # Requests ahead of it: beyond the replica's batch (the gateway may send a few to
@@ -202,8 +211,8 @@ def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token:
                                                 for r in order[:hold])
         return Ranking(order, hold, max(0.0, patience))
     margin = min(costs.values()) + view.tokens * prefill_s_per_token
-    room = {id(r): (-idle, held) for r, idle, held in zip(replicas, view.idle_s, view.held,
-                                                          strict=True)}
+    room = {id(r): (not last, -idle, held) for r, last, idle, held
+            in zip(replicas, view.last_sent, view.idle_s, view.held, strict=True)}
     return Ranking(sorted(replicas, key=lambda r: (costs[id(r)] > margin,
                                                    room[id(r)] if costs[id(r)] <= margin
                                                    else (costs[id(r)], 0), tie(r))))

@@ -168,6 +168,59 @@ def test_a_busy_holder_is_worth_waiting_for_as_long_as_prefilling_elsewhere_cost
     assert set(order[:2]) == {holder, spill} and hold == 2 and patience > 0.25
 
 
+def test_before_any_time_per_request_is_measured_a_full_holder_keeps_its_prompt() -> None:
+    """Until the engines' figures give a time per request, the wait for a slot is priced at
+    the least a request takes (prefilling this prompt), not at a made-up second: a holder
+    whose batch is just full stays first, worth a bounded wait, instead of its prompt being
+    copied elsewhere at the pool's start (as on real vLLM, loadtests.real_routing)."""
+    pool = chat_pool("a", "b", prefill_ms_per_1k_tokens=60)
+    prompt = prompt_of(turns("Shared instructions. " * 80, "q"))  # ~400 tokens
+    assert prompt is not None and pool.index is not None
+    holder = pool.pick(prompt=prompt)
+    holder.prefill_until = 0.0
+    assert all(b.service_s is None for b in pool.backends)
+    holder.outstanding = holder.batch  # every slot taken, by this worker
+    order, hold, patience = pool.ranked(prompt=prompt)
+    assert (order[0], hold) == (holder, 1)
+    # Worth waiting for up to what prefilling it elsewhere would cost, less its wait.
+    other = next(b for b in pool.backends if b is not holder)
+    lacks = pool.index.uncached_tokens(other.name, prompt)
+    assert 0 < patience < lacks * pool.prefill_s_per_token * (1 + CACHE_USE)
+    # Measured, a slow engine's full batch is a long wait: then prefilling elsewhere wins.
+    for backend in pool.backends:
+        backend.service_s = 60.0
+    assert pool.ranked(prompt=prompt)[0][0] is other
+
+
+def test_a_prompt_the_index_forgot_goes_back_to_the_replica_it_was_last_sent_to() -> None:
+    """The index forgets a prompt beyond what a replica's cache holds, but vLLM evicts a
+    prompt from its end, and sending it anew elsewhere copies it and evicts another prompt
+    there: a forgotten prompt goes back where it went last, even where another replica has
+    room to spare (the rule for prompts never seen)."""
+    pool = chat_pool("a", "b", prefill_ms_per_1k_tokens=60)
+    index = pool.index
+    assert index is not None
+    prompt = prompt_of(turns("Old instructions. " * 60, "q"))
+    assert prompt is not None
+    first = pool.pick(prompt=prompt)
+    other = next(b for b in pool.backends if b is not first)
+    # Other prompts fill the first replica's room: it forgets this one.
+    index.resize(first.name, len(prompt.blocks) * 2 * BLOCK_CHARS // 4)
+    for i in range(3):
+        newer = prompt_of(turns(f"Newer {i}. " * 120, "q"))
+        assert newer is not None
+        index.add(first.name, newer.blocks, time.monotonic())
+    first.prefill_until = 0.0
+    assert index.matched(first.name, prompt) == index.matched(other.name, prompt) == 0
+    assert index.idle_s(other.name, time.monotonic()) == float("inf")  # room to spare there
+    assert index.last_sent(prompt) == first.name
+    assert pool.pick(prompt=prompt) is first
+    # A prompt never sent anywhere has no last replica: it goes where there is room.
+    never = prompt_of(turns("Never seen. " * 60, "q"))
+    assert never is not None and index.last_sent(never) is None
+    assert pool.preferred(prompt=never)[0] is other
+
+
 def test_a_slow_replica_prefills_slower_and_a_busy_prefill_lane_counts() -> None:
     pool = chat_pool("fast", "slow", prefill_ms_per_1k_tokens=60)
     fast, slow = pool.backends

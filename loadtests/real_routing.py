@@ -103,12 +103,14 @@ def counters(url: str, names: Sequence[str] = COUNTERS) -> dict[str, list[float]
     return out
 
 
+Traced = dict[int, tuple[str, int, int, float]]  # request -> id, prompt, cached tokens, TTFT s
+
+
 async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict[str, str]]],
-                concurrency: int, traced: dict[int, tuple[str, int, int]] | None = None,
-                ) -> tuple[list[float], int]:
+                concurrency: int, traced: Traced | None = None) -> tuple[list[float], int]:
     """Each conversation streamed, `concurrency` at a time; their times to first token, and
-    how many failed. With `traced`, each answer's id and usage (prompt and cached tokens)
-    by conversation."""
+    how many failed. With `traced`, each answer's id, usage (prompt and cached tokens) and
+    time to first token by conversation."""
     gate = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     errors = 0
@@ -136,7 +138,7 @@ async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict
                             cached = (usage.get("prompt_tokens_details") or {}).get(
                                 "cached_tokens") or 0
                             traced[i] = (chunk.get("id", ""), usage.get("prompt_tokens", 0),
-                                         cached)
+                                         cached, first or 0.0)
                     ok = resp.status == 200 and first is not None
             except (aiohttp.ClientError, TimeoutError):
                 ok = False
@@ -188,7 +190,7 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
             keys = tuple(create_keys(gateway_config, 8, credits_each=100_000))
         before = [counters(r.url) for r in replicas]
         conversations = workload(seed, args.requests)
-        traced: dict[int, tuple[str, int, int]] | None = {} if args.trace else None
+        traced: Traced | None = {} if args.trace else None
         ttfts, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced))
         after = [counters(r.url) for r in replicas]
         # `--trace`: the gateway's waits for a busy holder of a prompt, by how they ended.
@@ -201,8 +203,13 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
         for name in COUNTERS)
     computed = prompt - hits  # the sums' ratio (fixed costs in), what an operator reads by hand
-    misses: dict[str, Any] = {} if traced is None else {"requests_by_kind": where_cached(
-        conversations, traced, {r.name: r.log for r in replicas})}
+    misses: dict[str, Any] = {}
+    if traced is not None:
+        kinds = kind_of(conversations, traced, {r.name: r.log for r in replicas})
+        misses["requests_by_kind"] = count_kinds(kinds)
+        misses["ttft_ms_by_kind"] = {kind: sorted(round(traced[i][3] * 1000, 1)
+                                                  for i in kinds if kinds[i] == kind)
+                                     for kind in KINDS}
     if waits is not None:
         misses["holder_waits"] = waits
     return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts), **misses,
@@ -213,8 +220,16 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
             "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
 
 
-def where_cached(conversations: Sequence[list[dict[str, str]]],
-                 traced: dict[int, tuple[str, int, int]], logs: dict[str, Path]) -> dict[str, int]:
+KINDS = ("first", "elsewhere", "evicted", "hit", "unmatched")
+
+
+def count_kinds(kinds: dict[int, str]) -> dict[str, int]:
+    counts = Counter(kinds.values())
+    return {kind: counts[kind] for kind in KINDS}
+
+
+def kind_of(conversations: Sequence[list[dict[str, str]]], traced: Traced,
+            logs: dict[str, Path]) -> dict[int, str]:
     """`--trace`: each request (in sending order) by what its replica held of its system
     prompt: `first` (no replica had been sent it), `elsewhere` (this replica had not, another
     had), `evicted` (this one had, but found less than half the prompt cached), `hit`, and
@@ -225,17 +240,16 @@ def where_cached(conversations: Sequence[list[dict[str, str]]],
             if "Received request " in line:
                 replica_of[line.split("Received request ", 1)[1].split(":", 1)[0]] = name
     sent: dict[str, set[str]] = {}  # system prompt -> replicas sent it
-    kinds = dict.fromkeys(("first", "elsewhere", "evicted", "hit", "unmatched"), 0)
+    kinds = {}
     for i in sorted(traced):
-        answer_id, prompt_tokens, cached = traced[i]
+        answer_id, prompt_tokens, cached, _ = traced[i]
         replica = replica_of.get(answer_id)
         if replica is None:
-            kinds["unmatched"] += 1
+            kinds[i] = "unmatched"
             continue
         holders = sent.setdefault(conversations[i][0]["content"], set())
-        kind = ("first" if not holders else "elsewhere" if replica not in holders
-                else "hit" if cached >= prompt_tokens / 2 else "evicted")
-        kinds[kind] += 1
+        kinds[i] = ("first" if not holders else "elsewhere" if replica not in holders
+                    else "hit" if cached >= prompt_tokens / 2 else "evicted")
         holders.add(replica)
     return kinds
 
@@ -323,11 +337,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(rows))
     for config in configs if args.trace else ():
         kinds: Counter[str] = Counter()
+        ttfts: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for r in runs:
             if r["config"] == config:
                 kinds.update(r["requests_by_kind"])
+                for kind, values in r["ttft_ms_by_kind"].items():
+                    ttfts[kind] += values
         print(f"{config:<15} requests by what their replica held: "
               + ", ".join(f"{kind} {n}" for kind, n in kinds.items()))
+        print(f"{config:<15} their TTFT p50 / p99 ms: " + ", ".join(
+            f"{kind} {loadgen.percentile(v, 50):.0f} / {loadgen.percentile(v, 99):.0f}"
+            for kind, v in ttfts.items() if v))
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "summary": rows}, indent=2))
     return 0

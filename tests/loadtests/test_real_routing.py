@@ -70,15 +70,19 @@ def test_trace_sorts_requests_by_what_their_replica_held(tmp_path: Path) -> None
                                      "INFO Received request chatcmpl-4: params: ...\n")
     (tmp_path / "r1.log").write_text("INFO Received request chatcmpl-2: params: ...\n"
                                      "INFO Received request chatcmpl-3: params: ...\n")
-    traced = {0: ("chatcmpl-0", 400, 0),     # A's first sight, on r0
-              1: ("chatcmpl-1", 400, 384),   # A again on r0: cached
-              2: ("chatcmpl-2", 400, 0),     # B's first sight, on r1
-              3: ("chatcmpl-3", 400, 0),     # A on r1, which had never been sent it
-              4: ("chatcmpl-4", 400, 32),    # A on r0 again, evicted since
-              5: ("chatcmpl-9", 400, 384)}   # logged by neither
-    kinds = real_routing.where_cached(conversations, traced,
-                                      {"r0": tmp_path / "r0.log", "r1": tmp_path / "r1.log"})
-    assert kinds == {"first": 2, "elsewhere": 1, "evicted": 1, "hit": 1, "unmatched": 1}
+    traced = {0: ("chatcmpl-0", 400, 0, 0.2),     # A's first sight, on r0
+              1: ("chatcmpl-1", 400, 384, 0.1),   # A again on r0: cached
+              2: ("chatcmpl-2", 400, 0, 0.2),     # B's first sight, on r1
+              3: ("chatcmpl-3", 400, 0, 0.3),     # A on r1, which had never been sent it
+              4: ("chatcmpl-4", 400, 32, 0.2),    # A on r0 again, evicted since
+              5: ("chatcmpl-9", 400, 384, 0.1)}   # logged by neither
+    kinds = real_routing.kind_of(conversations, traced,
+                                 {"r0": tmp_path / "r0.log", "r1": tmp_path / "r1.log"})
+    assert kinds == {0: "first", 1: "hit", 2: "first", 3: "elsewhere", 4: "evicted",
+                     5: "unmatched"}
+    kinds_counted = real_routing.count_kinds(kinds)
+    assert kinds_counted == {"first": 2, "elsewhere": 1, "evicted": 1, "hit": 1,
+                             "unmatched": 1}
 
 
 def test_the_gateways_holder_waits_are_read_by_outcome() -> None:

@@ -17,21 +17,22 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
-
-from redis.exceptions import RedisError
 
 from proxy.config import Config, ConfigError, load_config
 from proxy.credits.budgets import PERIODS, budgets, utc_text
-from proxy.credits.idempotency import top_up_once
-from proxy.credits.ledger import InsufficientCredits, Ledger, MadeBefore
 from proxy.credits.pricing import format_credits, parse_credits
-from proxy.credits.webhooks import Webhooks
 from proxy.errors import GatewayError
-from proxy.identity.auth import GUEST_TIER
-from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX, KeyRecord, KeyStore
-from proxy.store.client import connect_redis
+from proxy.identity.principal import GUEST_TIER
 from proxy.store.redis_process import RedisProcess
+
+# Redis and what stands on it load when a command runs, not here: every `inference-gateway`
+# command (serve and simulate too) builds these parsers.
+if TYPE_CHECKING:
+    from proxy.credits.ledger import Ledger
+    from proxy.credits.webhooks import Webhooks
+    from proxy.identity.keystore import KeyRecord, KeyStore
 
 __all__ = ["DEFAULT_TIERS", "add_commands", "known_tiers", "redis_url_for"]
 
@@ -39,7 +40,7 @@ DEFAULT_TIERS: frozenset[str] = frozenset({"basic", "pro", "max"})
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
-Action = Callable[[argparse.Namespace, Config, KeyStore], Awaitable[int]]
+Action = Callable[[argparse.Namespace, Config, "KeyStore"], Awaitable[int]]
 
 
 def known_tiers(config: Config) -> set[str]:
@@ -151,6 +152,11 @@ def _run(args: argparse.Namespace, action: Action) -> int:
 
 
 async def _with_store(args: argparse.Namespace, config: Config, action: Action) -> int:
+    from redis.exceptions import RedisError
+
+    from proxy.identity.keystore import KeyStore
+    from proxy.store.client import connect_redis
+
     url, embedded = redis_url_for(config)
     redis = connect_redis(url, timeout_s=10.0)
     try:
@@ -186,6 +192,8 @@ def _public_url(url: str) -> str:
 
 
 async def _create(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
+
     tiers = known_tiers(config)
     if args.tier not in tiers:
         print(f"unknown tier {args.tier!r} (known: {', '.join(sorted(tiers))})", file=sys.stderr)
@@ -225,11 +233,11 @@ async def _show(args: argparse.Namespace, config: Config, store: KeyStore) -> in
         print("no such account", file=sys.stderr)
         return EXIT_FAIL
     active = sum(1 for k in view.keys if k.active)
-    balance = await Ledger(store.redis).balance(view.account)
+    balance = await _ledger(store).balance(view.account)
     print(f"account: {view.account}  keys: {len(view.keys)} ({active} active)")
     print(f"credits: available {format_credits(balance.available)}  held "
           f"{format_credits(balance.held)}  spent {format_credits(balance.spent)}")
-    await _print_budgets(Ledger(store.redis), view.account)
+    await _print_budgets(_ledger(store), view.account)
     _print_table(view.keys)
     return EXIT_OK
 
@@ -251,7 +259,7 @@ async def _credits_budget(args: argparse.Namespace, config: Config, store: KeySt
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
-    ledger = Ledger(store.redis)
+    ledger = _ledger(store)
     try:
         await ledger.set_budget(args.account, args.period, micro, args.key)
         if args.postpaid is not None:
@@ -270,7 +278,7 @@ async def _credits_alert_below(args: argparse.Namespace, config: Config, store: 
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
-    await Ledger(store.redis).set_alert_below(args.account, micro)
+    await _ledger(store).set_alert_below(args.account, micro)
     print(f"{args.account}: " + (f"alerts when the balance falls under {format_credits(micro)}"
                                  if micro is not None else "no balance alert"))
     return EXIT_OK
@@ -280,7 +288,7 @@ async def _webhooks_add(args: argparse.Namespace, config: Config, store: KeyStor
     if urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).hostname:
         print("the URL must be http(s)://host/...", file=sys.stderr)
         return EXIT_USAGE
-    endpoint = await Webhooks(store.redis).add(args.url, args.account)
+    endpoint = await _webhooks(store).add(args.url, args.account)
     print(endpoint.secret)  # all stdout carries: SECRET=$(... webhooks add ...)
     print(f"endpoint {endpoint.id} for {args.account or 'every account'}'s alerts; its signing "
           "secret (printed once) verifies the Igw-Signature header", file=sys.stderr)
@@ -288,14 +296,14 @@ async def _webhooks_add(args: argparse.Namespace, config: Config, store: KeyStor
 
 
 async def _webhooks_list(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
-    for endpoint in await Webhooks(store.redis).endpoints():
+    for endpoint in await _webhooks(store).endpoints():
         whose = "every account" if endpoint.account == "*" else endpoint.account
         print(f"{endpoint.id}  {whose}  {_iso(endpoint.created)}  {_public_url(endpoint.url)}")
     return EXIT_OK
 
 
 async def _webhooks_remove(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
-    if not await Webhooks(store.redis).remove(args.endpoint_id):
+    if not await _webhooks(store).remove(args.endpoint_id):
         print("no such endpoint", file=sys.stderr)
         return EXIT_FAIL
     print(f"removed {args.endpoint_id}")
@@ -303,7 +311,7 @@ async def _webhooks_remove(args: argparse.Namespace, config: Config, store: KeyS
 
 
 async def _webhooks_alerts(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
-    for alert in await Webhooks(store.redis).alerts(args.account, max(1, args.count)):
+    for alert in await _webhooks(store).alerts(args.account, max(1, args.count)):
         body = alert.body
         what = (f"{body['data']['percent']}% of {body['data']['budget']['scope']} "
                 f"{body['data']['budget']['period']} budget" if body["type"] ==
@@ -319,6 +327,9 @@ async def _webhooks_alerts(args: argparse.Namespace, config: Config, store: KeyS
 
 
 async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
+    from proxy.credits.idempotency import top_up_once
+    from proxy.credits.ledger import InsufficientCredits, MadeBefore
+
     try:
         micro = parse_credits(args.amount)
     except ValueError as exc:
@@ -329,7 +340,7 @@ async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore
     except GatewayError as exc:
         print(f"--idempotency-key: {exc.message}", file=sys.stderr)
         return EXIT_USAGE
-    ledger = Ledger(store.redis, ack_replicas=config.gateway.ledger_ack_replicas)
+    ledger = _ledger(store, ack_replicas=config.gateway.ledger_ack_replicas)
     try:
         available = await ledger.credit(
             args.account, micro, {"reason": args.reason[:200], "actor": "cli",
@@ -352,7 +363,7 @@ async def _credits_add(args: argparse.Namespace, config: Config, store: KeyStore
 
 
 async def _credits_reconcile(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
-    ledger = Ledger(store.redis)
+    ledger = _ledger(store)
     accounts = [args.account] if args.account else await ledger.accounts()
     problems = await ledger.reconcile(accounts)
     for problem in problems:
@@ -362,8 +373,20 @@ async def _credits_reconcile(args: argparse.Namespace, config: Config, store: Ke
 
 
 async def _credits_sweep(args: argparse.Namespace, config: Config, store: KeyStore) -> int:
-    print(f"released {await Ledger(store.redis).sweep()} expired hold(s)")
+    print(f"released {await _ledger(store).sweep()} expired hold(s)")
     return EXIT_OK
+
+
+def _ledger(store: KeyStore, ack_replicas: int = 0) -> Ledger:
+    from proxy.credits.ledger import Ledger
+
+    return Ledger(store.redis, ack_replicas=ack_replicas)
+
+
+def _webhooks(store: KeyStore) -> Webhooks:
+    from proxy.credits.webhooks import Webhooks
+
+    return Webhooks(store.redis)
 
 
 _COLUMNS = ("id", "account", "tier", "status", "created", "label")

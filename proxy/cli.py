@@ -15,9 +15,10 @@ from pathlib import Path
 
 import orjson
 
+# What the parsers need, no more: each command imports what it runs in its handler (admin_cli
+# and simulators.cli likewise), so `serve` loads no simulator and `simulate` no Redis.
 from proxy import __version__, admin_cli
 from proxy.config import Config, ConfigError, load_config, load_policies
-from proxy.policy import replay
 from proxy.simulators import cli as simulators_cli
 
 
@@ -84,9 +85,7 @@ def _load(args: argparse.Namespace) -> Config | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.runtime.master import (
-        serve,  # the server's imports are not needed by the other commands
-    )
+    from proxy.runtime.master import serve
 
     config = _load(args)
     if config is None:
@@ -154,6 +153,8 @@ def _lines(paths: list[str]) -> Iterator[bytes]:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from proxy.policy import replay
+
     try:
         policies = load_policies(args.policies, Path(args.config) / "policies")
     except ConfigError as exc:

@@ -51,8 +51,8 @@ from proxy.credits.webhooks import Webhooks
 from proxy.errors import ErrorKind, GatewayError, store_unavailable, validation_failed
 from proxy.http.body import read_json
 from proxy.identity import apikeys
-from proxy.identity.auth import GUEST_TIER
 from proxy.identity.keystore import ACCOUNT_PATTERN, LABEL_MAX
+from proxy.identity.principal import GUEST_TIER
 from proxy.policy.live import PolicySnapshot
 from proxy.upstream.fleet_state import STARTING
 from proxy.upstream.pool import Backend

@@ -43,7 +43,7 @@ from proxy.api.doc_types import (
     Response,
 )
 from proxy.api.error_docs import error, for_family
-from proxy.identity.auth import GUEST_TIER
+from proxy.identity.principal import GUEST_TIER
 
 # Doc, Header, Param and Response are the route table's (proxy.app) and the dashboard's.
 __all__ = ["ADMIN", "API_KEY", "BEARER", "Doc", "Header", "Param", "Response", "build_openapi",

@@ -30,11 +30,9 @@ from proxy.identity.keystore import KeyRecord, KeyStore
 
 if TYPE_CHECKING:  # PyJWT and cryptography load only where JWTs are configured (~10 MB)
     from proxy.identity.jwt import JwtVerifier
-from proxy.identity.principal import Principal
+from proxy.identity.principal import GUEST_TIER, Principal
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-GUEST_TIER = "guest"
 
 
 class Authenticator:

@@ -9,6 +9,7 @@ PrincipalKind = Literal["key", "jwt", "guest"]
 # What an account may be called, by a key's record or a token's claim. No ':', so an account can
 # never be mistaken for a guest ("guest:<address>") or split a Redis key or a log line.
 ACCOUNT_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"
+GUEST_TIER: Final = "guest"  # the tier of callers without a credential
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ import msgspec
 from proxy.config import Policies, Rates
 from proxy.credits.pricing import Used, format_credits, parse_credits, used_cost
 from proxy.credits.token_windows import BUCKETS, TokenWindow
-from proxy.identity.auth import GUEST_TIER
+from proxy.identity.principal import GUEST_TIER
 from proxy.policy.shadow import Rule, before_limits, rule_for
 
 RATE_WINDOW_S = 60.0

@@ -31,7 +31,7 @@ import msgspec
 from proxy.config import Policies, Rates, TierPolicy
 from proxy.credits.pricing import Used, used_cost
 from proxy.credits.token_windows import TokenWindow, token_windows
-from proxy.identity.auth import GUEST_TIER
+from proxy.identity.principal import GUEST_TIER
 from proxy.policy.tiers import denial
 
 ADMITTED = 200

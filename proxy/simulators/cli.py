@@ -8,11 +8,8 @@ import os
 import signal
 from typing import Any
 
-from aiohttp import web
-
-from proxy.simulators import KINDS, SimConfig, build_app, kv_events
+from proxy.simulators import KINDS, SimConfig, build_app
 from proxy.simulators.config import KvEventsConfig
-from proxy.simulators.state import STATE
 
 # The chat kinds listen where the real servers do. The media kinds' ports are this project's
 # choice, apart from the usual 8000/8080 so they can run beside a vLLM: 8880 is Kokoro-FastAPI's
@@ -162,6 +159,8 @@ def _non_negative_float(text: str) -> float:
 
 
 def _kv_events_config(text: str) -> KvEventsConfig | None:
+    from proxy.simulators import kv_events  # zmq: only once the option is given
+
     try:
         return kv_events.parse_config(text)
     except ValueError as exc:
@@ -220,6 +219,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The server's imports here, not above: every command builds this parser.
+    from aiohttp import web
+
+    from proxy.simulators.state import STATE
+
     config = config_from(args)
     port = args.port if args.port is not None else DEFAULT_PORTS[args.kind]
     banner = (

@@ -64,7 +64,6 @@ from collections.abc import AsyncIterator, Mapping
 import orjson
 from aiohttp import web
 
-from proxy.simulators import vllm_embed
 from proxy.simulators.bodies import json_object, json_response, opt
 from proxy.simulators.engine import (
     CONTENT_TYPE,
@@ -379,6 +378,8 @@ async def engine_death(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     if app[STATE].config.runner == "pooling":  # an embedding model: no chat
+        from proxy.simulators import vllm_embed  # numpy (~0.1 s): loaded by this runner only
+
         app.router.add_post("/v1/embeddings", inference(vllm_embed.embeddings))
         app.router.add_post("/v1/chat/completions", vllm_embed.not_routed)
         app.router.add_post("/v1/completions", vllm_embed.not_routed)

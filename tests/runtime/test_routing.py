@@ -139,17 +139,23 @@ async def test_the_gateway_learns_an_engines_prefill_price_from_its_figures(
                 [view] = (await r.json())["data"]
                 return view["prefill"]  # type: ignore[no-any-return]
 
-        assert await prefill_view() is None  # nothing to learn from yet
-        for n in range(30):  # prompts of 20 to ~1,000 words (the simulator's tokens), none alike
+        async def ask(n: int) -> None:  # prompts of 20 to ~1,000 words, none alike
             words = 20 + (n * 613) % 1000
             async with session.post(gateway.url + CHAT, json=body(
                     f"Prompt {n}: " + "lorem " * words, "Hello there")) as r:
                 assert r.status == 200, await r.text()
-        for _ in range(20):  # each worker fits what the master's next reads show
+
+        assert await prefill_view() is None  # nothing to learn from yet
+        for n in range(30):
+            await ask(n)
+        for n in range(30, 90):  # each worker fits what the master's next reads show ...
             views = [await prefill_view() for _ in range(4)]
             if all(views):
                 break
-            await asyncio.sleep(0.25)
+            # ... once they span reads of different mixes: a fast machine answers the first
+            # 30 within a read or two, which cannot tell a fixed cost from a per-token one.
+            await ask(n)
+            await asyncio.sleep(0.1)
         async with session.get(gateway.url + "/metrics") as r:  # and Prometheus
             assert 'igw_engine_prefill_ms_per_1k_tokens{backend="r0"} 1' in await r.text()
     for view in views:

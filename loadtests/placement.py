@@ -204,7 +204,8 @@ RULES = ("gateway", "sglang")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtests.placement",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--concurrency", type=int, default=6)

@@ -38,7 +38,7 @@ MAX_BLOCKS = 512  # a prompt's first 128 KiB are matched; beyond, replicas tie a
 CHARS_PER_TOKEN = 4.0
 SESSION_HEADER = "X-Session-Id"
 EXPECTED_KEPT = 4096  # placements awaiting the engine's word on them
-LAST_SENT_KEPT = 65_536  # prompts' first blocks whose replica is remembered past the room
+LAST_SENT_KEPT = 16_384  # prompts whose last replica is remembered past the room (~2 MB)
 FIT_MIN, FIT_MAX = 0.5, 1.5  # how far the engines' word may move a replica's room
 
 

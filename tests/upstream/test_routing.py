@@ -19,7 +19,7 @@ from proxy.store.background import stop_task
 from proxy.store.redis_process import RedisProcess
 from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefix_share import PrefixShare
-from proxy.upstream.prefixes import BLOCK_CHARS, Prompt, pack, prompt_of, unpack
+from proxy.upstream.prefixes import BLOCK_CHARS, LAST_SENT_KEPT, Prompt, pack, prompt_of, unpack
 from proxy.upstream.router import Router
 from proxy.upstream.routing import CACHE_USE, CONTENTION
 from proxy.upstream.signals import EngineSignals, parse_signals
@@ -219,6 +219,11 @@ def test_a_prompt_the_index_forgot_goes_back_to_the_replica_it_was_last_sent_to(
     never = prompt_of(turns("Never seen. " * 60, "q"))
     assert never is not None and index.last_sent(never) is None
     assert pool.preferred(prompt=never)[0] is other
+    # What it remembers is bounded: the oldest prompts' replicas go first.
+    for block in range(LAST_SENT_KEPT):
+        index.add(other.name, [block], time.monotonic())
+    assert index.last_sent(prompt) is None
+    assert index.last_sent(Prompt((LAST_SENT_KEPT - 1,), BLOCK_CHARS)) == other.name
 
 
 def test_a_slow_replica_prefills_slower_and_a_busy_prefill_lane_counts() -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from loadtests.real_routing import workload
 from proxy.simulators.kvcache import BlockPool, block_hashes, hittable_blocks
 from proxy.upstream.prefixes import PrefixIndex, Prompt, prompt_of
-from proxy.upstream.routing import PromptView, by_first_token
+from proxy.upstream.routing import by_first_token
 
 BLOCK_TOKENS = 32
 TOKENS_PER_CHAR = 0.76  # the tiny model's tokenizer on hex words: ~410 tokens for 540 chars
@@ -55,7 +55,7 @@ class Request:
 
     system: str
     question: str
-    body: dict[str, object]
+    prompt: Prompt  # as the gateway's index names it
 
     @property
     def tokens(self) -> list[str]:
@@ -68,9 +68,15 @@ class Request:
                 + [f"q{self.question}.{i}" for i in range(question)])
 
 
+def request(system: str, question: str) -> Request:
+    prompt = prompt_of({"messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": question}]})
+    assert prompt is not None
+    return Request(system, question, prompt)
+
+
 def requests(seed: int, count: int) -> list[Request]:
-    return [Request(c[0]["content"], c[1]["content"], {"messages": c})
-            for c in workload(seed, count)]
+    return [request(c[0]["content"], c[1]["content"]) for c in workload(seed, count)]
 
 
 class Engine:
@@ -130,8 +136,7 @@ class Placer:
     texts: dict[str, set[str]] = field(default_factory=dict)  # sglang: systems per replica
 
     def place(self, request: Request, clock: float) -> Replica:
-        prompt = prompt_of(request.body)
-        assert prompt is not None
+        prompt = request.prompt
         chosen = self._sglang(request) if self.rule == "sglang" else self._gateway(prompt, clock)
         self.index.expect(chosen.name, prompt, self.index.matched(chosen.name, prompt))
         self.index.add(chosen.name, prompt.blocks, clock)
@@ -143,15 +148,10 @@ class Placer:
         self.index.confirm(replica.name, prompt, cached)
 
     def _gateway(self, prompt: Prompt, clock: float) -> Replica:
-        index = self.index
-        for r in self.replicas:
-            index.resize(r.name, None)
-        view = PromptView(
-            uncached_tokens=[index.uncached_tokens(r.name, prompt) for r in self.replicas],
-            tokens=index.tokens(prompt), backlog_s=[0.0] * len(self.replicas),
-            idle_s=[index.idle_s(r.name, clock) for r in self.replicas],
-            held=[index.size(r.name) for r in self.replicas],
-            last_sent=[r.name == index.last_sent(prompt) for r in self.replicas])
+        names = [r.name for r in self.replicas]
+        for name in names:
+            self.index.resize(name, None)
+        view = self.index.prompt_view(prompt, names, [0.0] * len(names), clock)
         return by_first_token(self.replicas, view, PREFILL_S_PER_TOKEN, clock, self.rng).order[0]
 
     def _sglang(self, request: Request) -> Replica:
@@ -188,9 +188,7 @@ def replay(sequence: Sequence[Request], rule: str, *, replicas: int = 2, blocks:
         chosen.outstanding += 1
         tokens = request.tokens
         hit = engines[chosen.name].start(number, tokens)
-        prompt = prompt_of(request.body)
-        assert prompt is not None
-        placer.learn(chosen, prompt, len(tokens), hit)
+        placer.learn(chosen, request.prompt, len(tokens), hit)
         holders = sent.setdefault(request.system, set())
         out["first" if not holders else "elsewhere" if chosen.name not in holders
             else "hit" if hit >= len(tokens) / 2 else "evicted"] += 1

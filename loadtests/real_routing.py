@@ -193,12 +193,11 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         traced: Traced | None = {} if args.trace else None
         ttfts, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced))
         after = [counters(r.url) for r in replicas]
-        # `--trace`: the gateway's waits for a busy holder of a prompt, by how they ended.
-        waits = (by_label(metrics_text(url.removesuffix(CHAT_PATH)), HOLDER_WAITS, "outcome")
-                 if args.trace and config in GATEWAY_CONFIGS else None)
-        # The gateway's price at the end: its pool's, the least of its engines' fitted ones.
-        learned = min(counters(url.removesuffix(CHAT_PATH), [LEARNED])[LEARNED],
-                      default=float("nan")) if config in GATEWAY_CONFIGS else float("nan")
+        # The gateway's figures: its price at the end (its pool's, the least of its engines'
+        # fitted ones) and, for `--trace`, its waits for a busy holder by how they ended.
+        gateway = metrics_text(url.removesuffix(CHAT_PATH)) if config in GATEWAY_CONFIGS else ""
+        learned = min(by_label(gateway, LEARNED, "backend").values(), default=float("nan"))
+        waits = by_label(gateway, HOLDER_WAITS, "outcome") if args.trace and gateway else None
     hits, queries, prefill_s, prompt = (
         sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
         for name in COUNTERS)

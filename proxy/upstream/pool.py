@@ -42,7 +42,6 @@ from proxy.upstream.prefill_price import PrefillFit
 from proxy.upstream.prefixes import PrefixIndex, Prompt
 from proxy.upstream.routing import (
     PickKind,
-    PromptView,
     Ranking,
     Weights,
     by_first_token,
@@ -351,14 +350,10 @@ class Pool:
             index = self.index
             for b in candidates:
                 index.resize(b.name, b.cache_tokens)
-            clock, last = time.monotonic(), index.last_sent(prompt)
-            view = PromptView(
-                uncached_tokens=[index.uncached_tokens(b.name, prompt) for b in candidates],
-                tokens=index.tokens(prompt),
-                backlog_s=[max(0.0, b.prefill_until - clock) for b in candidates],
-                idle_s=[index.idle_s(b.name, clock) for b in candidates],
-                held=[index.size(b.name) for b in candidates],
-                last_sent=[b.name == last for b in candidates])
+            clock = time.monotonic()
+            view = index.prompt_view(prompt, [b.name for b in candidates],
+                                     [max(0.0, b.prefill_until - clock) for b in candidates],
+                                     clock)
             return by_first_token(candidates, view, self.prefill_s_per_token, now, rng or _RNG)
         chosen = choose(self.pick_kind, candidates, weights=self.weights, now=now,
                         rng=rng or _RNG)

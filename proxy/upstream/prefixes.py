@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from proxy.upstream.routing import PromptView
+
 BLOCK_CHARS = 256  # bytes of the canonical rendering per block (about 64 tokens)
 MAX_BLOCKS = 512  # a prompt's first 128 KiB are matched; beyond, replicas tie anyway
 # Bytes of the rendering per engine token, until the engines' usage tells (`learn`): what
@@ -221,6 +223,17 @@ class PrefixIndex:
 
     def size(self, replica: str) -> int:
         return len(self._held.get(replica, ()))
+
+    def prompt_view(self, prompt: Prompt, replicas: Sequence[str], backlog_s: Sequence[float],
+                    now: float) -> PromptView:
+        """What the index knows of `prompt` on each of `replicas` (at monotonic `now`), with
+        the prefill work each was sent and has not finished: for routing.by_first_token."""
+        last = self.last_sent(prompt)
+        return PromptView(uncached_tokens=[self.uncached_tokens(r, prompt) for r in replicas],
+                          tokens=self.tokens(prompt), backlog_s=backlog_s,
+                          idle_s=[self.idle_s(r, now) for r in replicas],
+                          held=[self.size(r) for r in replicas],
+                          last_sent=[r == last for r in replicas])
 
     def view(self) -> dict[str, object]:
         """What it holds, for /admin/backends: per replica, blocks known and room for them."""

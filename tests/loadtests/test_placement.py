@@ -4,12 +4,8 @@ rules, on sequences small enough to reason about."""
 from __future__ import annotations
 
 from loadtests import placement
-from loadtests.placement import BLOCK_TOKENS, Engine, Request, replay, requests
-
-
-def ask(system: str, question: str) -> Request:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    return Request(system, question, {"messages": messages})
+from loadtests.placement import BLOCK_TOKENS, Engine, replay, requests
+from loadtests.placement import request as ask
 
 
 def test_a_cache_finds_a_prompt_again_until_others_evict_it_from_its_end() -> None:

@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loadtests.real_routing import workload
+from loadtests.real_routing import kind, workload
 from proxy.simulators.kvcache import BlockPool, block_hashes, hittable_blocks
 from proxy.upstream.prefixes import PrefixIndex, Prompt, prompt_of
 from proxy.upstream.routing import by_first_token
@@ -190,8 +190,7 @@ def replay(sequence: Sequence[Request], rule: str, *, replicas: int = 2, blocks:
         hit = engines[chosen.name].start(number, tokens)
         placer.learn(chosen, request.prompt, len(tokens), hit)
         holders = sent.setdefault(request.system, set())
-        out["first" if not holders else "elsewhere" if chosen.name not in holders
-            else "hit" if hit >= len(tokens) / 2 else "evicted"] += 1
+        out[kind(holders, chosen.name, hit, len(tokens))] += 1
         holders.add(chosen.name)
         out["queried"] += len(tokens)
         out["found"] += hit

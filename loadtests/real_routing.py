@@ -222,6 +222,12 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
 KINDS = ("first", "elsewhere", "evicted", "hit", "unmatched")
 
 
+def kind(holders: set[str], replica: str, cached: float, prompt_tokens: float) -> str:
+    """What a request found, given the replicas sent its system prompt before (`holders`)."""
+    return ("first" if not holders else "elsewhere" if replica not in holders
+            else "hit" if cached >= prompt_tokens / 2 else "evicted")
+
+
 def count_kinds(kinds: dict[int, str]) -> dict[str, int]:
     counts = Counter(kinds.values())
     return {kind: counts[kind] for kind in KINDS}
@@ -247,8 +253,7 @@ def kind_of(conversations: Sequence[list[dict[str, str]]], traced: Traced,
             kinds[i] = "unmatched"
             continue
         holders = sent.setdefault(conversations[i][0]["content"], set())
-        kinds[i] = ("first" if not holders else "elsewhere" if replica not in holders
-                    else "hit" if cached >= prompt_tokens / 2 else "evicted")
+        kinds[i] = kind(holders, replica, cached, prompt_tokens)
         holders.add(replica)
     return kinds
 

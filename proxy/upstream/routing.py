@@ -172,12 +172,12 @@ def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token:
     # second away on engines that answer in 20 ms, and moved its prompts while the pool
     # started (5 of 11 moves on real vLLM, loadtests.real_routing, 2026-11-29); a wait too
     # short costs at most the holder's patience.
-    unmeasured = view.tokens * prefill_s_per_token
-    fastest = min(s or 0.0 for s in services) if measured else unmeasured
+    whole = view.tokens * prefill_s_per_token  # the prefill of the whole prompt
+    fastest = min(s or 0.0 for s in services) if measured else whole
     costs, waits = {}, {}
     for replica, service, uncached, backlog in zip(replicas, services, view.uncached_tokens,
                                                    view.backlog_s, strict=True):
-        held = service if measured and service else unmeasured
+        held = service if measured and service else whole
         places = max(1, replica.batch)
         load = replica.in_flight(now)
         # Requests ahead of it: beyond the replica's batch (the gateway may send a few to
@@ -210,7 +210,7 @@ def by_first_token(replicas: Sequence[R], view: PromptView, prefill_s_per_token:
         patience = costs[id(order[hold])] - min(costs[id(r)] - waits[id(r)]
                                                 for r in order[:hold])
         return Ranking(order, hold, max(0.0, patience))
-    margin = min(costs.values()) + view.tokens * prefill_s_per_token
+    margin = min(costs.values()) + whole
     room = {id(r): (not last, -idle, held) for r, last, idle, held
             in zip(replicas, view.last_sent, view.idle_s, view.held, strict=True)}
     return Ranking(sorted(replicas, key=lambda r: (costs[id(r)] > margin,

@@ -195,9 +195,9 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         after = [counters(r.url) for r in replicas]
         # The gateway's figures: its price at the end (its pool's, the least of its engines'
         # fitted ones) and, for `--trace`, its waits for a busy holder by how they ended.
-        gateway = metrics_text(url.removesuffix(CHAT_PATH)) if config in GATEWAY_CONFIGS else ""
-        learned = min(by_label(gateway, LEARNED, "backend").values(), default=float("nan"))
-        waits = by_label(gateway, HOLDER_WAITS, "outcome") if args.trace and gateway else None
+        figures = metrics_text(url.removesuffix(CHAT_PATH)) if config in GATEWAY_CONFIGS else ""
+        learned = min(by_label(figures, LEARNED, "backend").values(), default=float("nan"))
+        waits = by_label(figures, HOLDER_WAITS, "outcome") if args.trace and figures else None
     hits, queries, prefill_s, prompt = (
         sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
         for name in COUNTERS)

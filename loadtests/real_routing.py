@@ -3,8 +3,8 @@ KV-cache events and its learned prefill price, beside vllm-router and sglang-rou
 are installed.
 
     python -m loadtests.real_routing [--seeds 1,2,3] [--configs prefix,prefix-events,...]
-        [--requests 240] [--concurrency 6] [--prefill-ms-per-1k-tokens N] [--engine-queue N]
-        [--trace] [--json PATH]
+        [--requests 1000] [--concurrency 6 | --rate R] [--warmup 12]
+        [--prefill-ms-per-1k-tokens N] [--engine-queue N] [--trace] [--json PATH]
     (configs: prefix, prefix-events, vllm-router, sglang-router by default; prefix-fixed)
 
 For each seed and config, two fresh real vLLM replicas (the real-engine tier's tiny model and
@@ -16,9 +16,12 @@ each backend; `prefix-fixed`: at its configured prefill price, `learn_prefill = 
 router with its cache-aware policy (loadtests/routers.py). The same seeded
 requests for every config: system prompts of ~410 tokens (random hex words, so that the
 tokenizer finds no shortcut) drawn by a Zipf law from 24, each followed by a short question,
-streamed, `--concurrency` at a time. Reported per config, mean and min-max over the seeds:
-the engines' own prefix-cache hit rate (`vllm:prefix_cache_hits_total / queries_total`),
-time to first token p50 and p99, errors, the engines' prefill time per 1,000 tokens they
+streamed, `--concurrency` at a time (closed loop), or with `--rate` at seeded Poisson arrivals
+of that many a second, answered or not (open loop: every config offered the same load). Reported
+per config, mean and min-max over the seeds: the engines' own prefix-cache hit rate
+(`vllm:prefix_cache_hits_total / queries_total`), time to first token p50 and p99 of the
+requests after the first `--warmup` (the engines' start: reported apart, as the slowest of
+them), completed requests a second, errors, the engines' prefill time per 1,000 tokens they
 computed (the sums' ratio), and the price the gateway learned from them at the end of the run
 (its pool's: the fastest engine's; `--prefill-ms-per-1k-tokens` gives the gateway a configured
 figure other than its default). The configs run in a different order for
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -107,12 +111,18 @@ Traced = dict[int, tuple[str, int, int, float]]  # request -> id, prompt, cached
 
 
 async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict[str, str]]],
-                concurrency: int, traced: Traced | None = None) -> tuple[list[float], int]:
-    """Each conversation streamed, `concurrency` at a time; their times to first token, and
+                concurrency: int, traced: Traced | None = None, rate: float | None = None,
+                seed: int = 0) -> tuple[dict[int, float], int]:
+    """Each conversation streamed, `concurrency` at a time (closed loop), or with `rate`
+    sent at seeded Poisson arrivals of that many a second, answered or not (open loop:
+    every config is offered the same load); their times to first token by conversation, and
     how many failed. With `traced`, each answer's id, usage (prompt and cached tokens) and
     time to first token by conversation."""
-    gate = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
+    gate = asyncio.Semaphore(concurrency if rate is None else len(conversations))
+    arrivals = random.Random(seed)
+    due = list(itertools.accumulate(
+        arrivals.expovariate(rate) for _ in conversations)) if rate else None
+    ttfts: dict[int, float] = {}
     errors = 0
 
     async def one(i: int, messages: list[dict[str, str]]) -> None:
@@ -124,6 +134,8 @@ async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict
                                 "stream": True}
         if traced is not None:
             body["stream_options"] = {"include_usage": True}
+        if due is not None:
+            await asyncio.sleep(max(0.0, begun + due[i] - time.perf_counter()))
         async with gate:
             started = time.perf_counter()
             first = None
@@ -143,11 +155,13 @@ async def drive(url: str, keys: Sequence[str], conversations: Sequence[list[dict
             except (aiohttp.ClientError, TimeoutError):
                 ok = False
             if ok and first is not None:
-                ttfts.append(first)
+                ttfts[i] = first
             else:
                 errors += 1
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        begun = time.perf_counter()
         await asyncio.gather(*(one(i, m) for i, m in enumerate(conversations)))
     return ttfts, errors
 
@@ -191,12 +205,16 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
         before = [counters(r.url) for r in replicas]
         conversations = workload(seed, args.requests)
         traced: Traced | None = {} if args.trace else None
-        ttfts, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced))
+        started = time.perf_counter()
+        by_request, errors = asyncio.run(drive(url, keys, conversations, args.concurrency, traced,
+                                          args.rate, seed))
+        seconds = time.perf_counter() - started
         after = [counters(r.url) for r in replicas]
         # The gateway's figures: its price at the end (its pool's, the least of its engines'
         # fitted ones) and, for `--trace`, its waits for a busy holder by how they ended.
         figures = metrics_text(url.removesuffix(CHAT_PATH)) if config in GATEWAY_CONFIGS else ""
-        learned = min(by_label(figures, LEARNED, "backend").values(), default=float("nan"))
+        fits = by_label(figures, LEARNED, "backend")  # each engine's
+        learned = min(fits.values(), default=float("nan"))
         waits = by_label(figures, HOLDER_WAITS, "outcome") if args.trace and figures else None
     hits, queries, prefill_s, prompt = (
         sum(sum(a[name]) - sum(b[name]) for a, b in zip(after, before, strict=True))
@@ -204,17 +222,30 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
     computed = prompt - hits  # the sums' ratio (fixed costs in), what an operator reads by hand
     misses: dict[str, Any] = {}
     if traced is not None:
-        kinds = kind_of(conversations, traced, {r.name: r.log for r in replicas})
+        logs = {r.name: r.log for r in replicas}
+        kinds = kind_of(conversations, traced, logs)
         misses["requests_by_kind"] = count_kinds(kinds)
+        misses["requests_by_replica"] = dict(sorted(Counter(
+            replica_of(logs).get(traced[i][0], "unmatched") for i in traced).items()))
         misses["ttft_ms_by_kind"] = {kind: sorted(round(traced[i][3] * 1000, 1)
                                                   for i in kinds if kinds[i] == kind)
                                      for kind in KINDS}
     if waits is not None:
         misses["holder_waits"] = waits
-    return {"config": config, "seed": seed, "errors": errors, "requests": len(ttfts), **misses,
+    # The first requests meet engines that have just started (their first steps are slow) and
+    # are sent all at once: 6 first sights of their prompts, two or three to a replica
+    # prefilling together. Counted, that start made each run's p99 (its 3rd slowest request)
+    # on most seeds; the figures are of the requests after it (`--warmup`, default 12), the
+    # start's own in `ttft_max_start_ms`.
+    ttfts = [t for i, t in by_request.items() if i >= args.warmup]
+    start = [t for i, t in by_request.items() if i < args.warmup]
+    return {"config": config, "seed": seed, "errors": errors, "requests": len(by_request),
+            **misses,
             "hit_rate": hits / queries if queries else float("nan"),
             "prefill_ms_per_1k_tokens": prefill_s / computed * 1e6 if computed else float("nan"),
-            "learned_ms_per_1k_tokens": learned,
+            "learned_ms_per_1k_tokens": learned, "learned_by_replica": fits,
+            "req_per_s": len(by_request) / seconds,
+            "ttft_max_start_ms": max(start, default=float("nan")) * 1000,
             "ttft_p50_ms": loadgen.percentile(ttfts, 50) * 1000,
             "ttft_p99_ms": loadgen.percentile(ttfts, 99) * 1000}
 
@@ -233,22 +264,28 @@ def count_kinds(kinds: dict[int, str]) -> dict[str, int]:
     return {kind: counts[kind] for kind in KINDS}
 
 
+def replica_of(logs: dict[str, Path]) -> dict[str, str]:
+    """Each answer's id -> the replica that logged it (`--trace`: vLLM logs every request)."""
+    out = {}
+    for name, log in logs.items():
+        for line in log.read_text(errors="replace").splitlines():
+            if "Received request " in line:
+                out[line.split("Received request ", 1)[1].split(":", 1)[0]] = name
+    return out
+
+
 def kind_of(conversations: Sequence[list[dict[str, str]]], traced: Traced,
             logs: dict[str, Path]) -> dict[int, str]:
     """`--trace`: each request (in sending order) by what its replica held of its system
     prompt: `first` (no replica had been sent it), `elsewhere` (this replica had not, another
     had), `evicted` (this one had, but found less than half the prompt cached), `hit`, and
     `unmatched` (no replica logged its id)."""
-    replica_of = {}
-    for name, log in logs.items():
-        for line in log.read_text(errors="replace").splitlines():
-            if "Received request " in line:
-                replica_of[line.split("Received request ", 1)[1].split(":", 1)[0]] = name
+    replicas = replica_of(logs)
     sent: dict[str, set[str]] = {}  # system prompt -> replicas sent it
     kinds = {}
     for i in sorted(traced):
         answer_id, prompt_tokens, cached, _ = traced[i]
-        replica = replica_of.get(answer_id)
+        replica = replicas.get(answer_id)
         if replica is None:
             kinds[i] = "unmatched"
             continue
@@ -265,7 +302,7 @@ def summarise(runs: Sequence[dict[str, Any]], configs: Sequence[str]) -> list[di
         row: dict[str, Any] = {"config": config, "runs": len(mine),
                                "errors": sum(r["errors"] for r in mine)}
         for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "prefill_ms_per_1k_tokens",
-                    "learned_ms_per_1k_tokens"):
+                    "learned_ms_per_1k_tokens", "req_per_s", "ttft_max_start_ms"):
             values = [r[key] for r in mine]
             row[key] = sum(values) / len(values)
             row[key + "_range"] = (min(values), max(values))
@@ -276,7 +313,7 @@ def summarise(runs: Sequence[dict[str, Any]], configs: Sequence[str]) -> list[di
 def render(rows: Sequence[dict[str, Any]]) -> str:
     lines = [f"{'config':<15} {'hit rate (min-max)':>22} {'TTFT p50 ms':>12} "
              f"{'TTFT p99 ms (min-max)':>24} {'errors':>7} {'prefill ms/1k':>14} "
-             f"{'learned ms/1k':>14}"]
+             f"{'learned ms/1k':>14} {'req/s':>6} {'start max ms':>13}"]
     for r in rows:
         low, high = r["hit_rate_range"]
         p99_low, p99_high = r["ttft_p99_ms_range"]
@@ -284,7 +321,8 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
                      f"({100 * low:.1f}-{100 * high:.1f}) {r['ttft_p50_ms']:>12.0f} "
                      f"{r['ttft_p99_ms']:>10.0f} ({p99_low:.0f}-{p99_high:.0f}) "
                      f"{r['errors']:>7} {r['prefill_ms_per_1k_tokens']:>14.0f} "
-                     f"{r['learned_ms_per_1k_tokens']:>14.0f}")
+                     f"{r['learned_ms_per_1k_tokens']:>14.0f} {r['req_per_s']:>6.1f} "
+                     f"{r['ttft_max_start_ms']:>13.0f}")
     return "\n".join(lines)
 
 
@@ -294,12 +332,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="1,2,3", help="comma-separated (default 1,2,3)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated among {', '.join(CONFIGS)} (routers when installed)")
-    p.add_argument("--requests", type=int, default=240)
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--requests", type=int, default=1000,
+                   help="a run's requests (default 1,000: the learned price settles)")
+    p.add_argument("--concurrency", type=int, default=6,
+                   help="requests at a time, each sent when one is answered (default 6)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop instead: requests a second at seeded Poisson arrivals, "
+                        "answered or not, the same for every config")
     p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=None,
                    help="the gateway's [routing] prefill_ms_per_1k_tokens (default: its own)")
     p.add_argument("--engine-queue", type=int, default=None,
                    help="the gateway's [routing] engine_queue (default: its own, 1)")
+    p.add_argument("--warmup", type=int, default=12,
+                   help="the first N requests are sent but left out of the TTFT figures "
+                        "(default 12: the engines' start)")
     p.add_argument("--trace", action="store_true",
                    help="classify each request by what its replica held of its prompt (first "
                         "sight, sent elsewhere, evicted, hit): the engines log every request")
@@ -312,8 +358,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not args.seeds or not args.configs or set(args.configs) - set(CONFIGS):
         p.error(f"--seeds and --configs must be non-empty; configs among {', '.join(CONFIGS)}")
-    if args.requests < 1 or args.concurrency < 1:
-        p.error("--requests and --concurrency must be positive")
+    if args.requests < 1 or args.concurrency < 1 or (args.rate is not None and args.rate <= 0):
+        p.error("--requests, --concurrency and --rate must be positive")
+    if not 0 <= args.warmup < args.requests:
+        p.error("--warmup must be at least 0 and below --requests")
     return args
 
 
@@ -336,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("  " + json.dumps(runs[-1]), file=sys.stderr, flush=True)
     rows = summarise(runs, configs)
     print(f"Routing on two real vLLM replicas ({os.cpu_count()} cores): {args.requests} "
-          f"requests a run, {args.concurrency} at a time, seeds {args.seeds}; "
+          f"requests a run, "
+          + (f"{args.rate:g} a second (open loop)" if args.rate else
+             f"{args.concurrency} at a time") + f", seeds {args.seeds}; "
           + ", ".join(f"{name} {v}" for name, v in versions.items() if v and name in configs))
     print(render(rows))
     for config in configs if args.trace else ():

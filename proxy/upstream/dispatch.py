@@ -38,7 +38,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -48,28 +47,17 @@ from proxy.observe.metrics import Metrics
 from proxy.store.background import stop_task
 from proxy.upstream.early import Early
 from proxy.upstream.holdings import Holdings
-from proxy.upstream.pool import Backend, Pool, free_here, offer
+from proxy.upstream.pool import Backend, Pool
 from proxy.upstream.prefixes import Prompt
-from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter, saturated
+from proxy.upstream.queue import Drain, Ticket, TierQueue, Turns, Waiter, Want, saturated
 from proxy.upstream.routing import Ranking
-from proxy.upstream.slots import BEAT_S, SlotLedger, Taken
+from proxy.upstream.slots import BEAT_S, SlotLedger, Taken, free_here, offer
 from proxy.upstream.spares import Spares
 
 log = logging.getLogger("proxy.dispatch")
 
 POLL_S = 0.02  # a waiting pool asks for slots freed in other processes this often
 HOLDER_POLL_S = 0.01  # ... and a request waiting for its prompt's holder (it holds no place)
-
-
-@dataclass(frozen=True, slots=True)
-class Want:
-    """What a waiter asks for besides its ticket: its prompt's blocks, a backend to avoid, and
-    how many distinct backends it needs a slot on at once (network mode's replicas)."""
-
-    prompt: Prompt | None
-    exclude: Backend | None
-    queued_at: float
-    need: int = 1
 
 
 class Dispatcher:
@@ -207,10 +195,18 @@ class Dispatcher:
         more wait ahead of it than its longest wait allows, or when the pool has no available
         backend at all."""
         want: Want = waiter.want
-        ticket = waiter.ticket
         if self.ledger is None:  # dispatch off: this worker's cap, 503 beyond it
             return [pool.preferred(exclude=want.exclude, prompt=want.prompt)[0]]
         ranking = pool.ranked(want.exclude, prompt=want.prompt, capped=False)
+        with pool.reserved(ranking.order[0], want.prompt):
+            return await self._bind(pool, waiter, ranking)
+
+    async def _bind(self, pool: Pool, waiter: Waiter, ranking: Ranking[Backend]
+                    ) -> list[Backend] | None:
+        """`_arrive`, once ranked."""
+        assert self.ledger is not None
+        want: Want = waiter.want
+        ticket = waiter.ticket
         preferred = ranking.order
         if not self._started.is_set():  # this process's first: known alive before it takes
             self._started.set()

@@ -22,13 +22,14 @@ its backends'.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from proxy.config import BackendSpec, HealthSection, Mode, RoutingSection
@@ -382,12 +383,31 @@ class Pool:
         now = time.monotonic()
         backend = self._named.get(name)
         if backend is not None:
-            work = (self.index.tokens_past(prompt, matched) * self.prefill_s_per_token
-                    * slowness(backend.service_s, [b.service_s for b in self.backends]))
-            backend.prefill_until = max(backend.prefill_until, now) + work
+            backend.prefill_until = (max(backend.prefill_until, now)
+                                     + self._prefill_s(backend, prompt, matched))
             if backend.kv is not None:
                 backend.kv.sent(self.index, prompt)
         self.index.add(name, prompt.blocks, now)
+
+    @contextlib.contextmanager
+    def reserved(self, backend: Backend, prompt: Prompt | None) -> Iterator[None]:
+        """While a request ranked with `backend` first waits for its slot, what it would
+        prefill there counts in that backend's backlog, for requests ranked meanwhile to see
+        (six arriving at once, all ranked before any was bound, went five to one replica:
+        loadtests.real_routing, 2026-11-29); `placed` then counts it for good."""
+        work = (0.0 if self.index is None or prompt is None else
+                self._prefill_s(backend, prompt, self.index.matched(backend.name, prompt)))
+        backend.prefill_until = max(backend.prefill_until, time.monotonic()) + work
+        try:
+            yield
+        finally:
+            backend.prefill_until -= work
+
+    def _prefill_s(self, backend: Backend, prompt: Prompt, matched: int) -> float:
+        """Seconds `backend` takes to prefill `prompt` past its first `matched` blocks."""
+        assert self.index is not None
+        return (self.index.tokens_past(prompt, matched) * self.prefill_s_per_token
+                * slowness(backend.service_s, [b.service_s for b in self.backends]))
 
     def saturation(self, now: float) -> Saturation | None:
         """How deep the engines' queues are, from their fresh figures (None: none known)."""
@@ -428,18 +448,3 @@ class Pool:
             f"model {self.model!r} is temporarily unavailable: {reason}",
             headers={"Retry-After": RETRY_AFTER_S},
         )
-
-
-def offer(backends: Sequence[Backend]) -> list[tuple[str, int, int]]:
-    """Backends as the slot ledger is offered them: (name, slots, queued), in order."""
-    return [(b.name, b.slots, b.queued) for b in backends]
-
-
-def free_here(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:
-    """The first `need` of `preferred` with a slot free by this worker's own counts, when
-    more than `keep_free` are."""
-    free = sum(max(0, b.slots - b.outstanding) for b in preferred)
-    if free <= keep_free:
-        return None
-    found = [b for b in preferred if b.outstanding < b.slots][:need]
-    return found if len(found) == need else None

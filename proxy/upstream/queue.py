@@ -28,10 +28,14 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.config import TierPolicy
 from proxy.errors import ErrorKind, GatewayError
+
+if TYPE_CHECKING:
+    from proxy.upstream.pool import Backend
+    from proxy.upstream.prefixes import Prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +100,22 @@ class Turns:
 _seq = itertools.count()
 
 
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What a waiter asks for besides its ticket: its prompt's blocks, a backend to avoid, and
+    how many distinct backends it needs a slot on at once (network mode's replicas)."""
+
+    prompt: Prompt | None
+    exclude: Backend | None
+    queued_at: float
+    need: int = 1
+
+
 @dataclass(eq=False, slots=True)
 class Waiter:
     ticket: Ticket
     tag: int = 0  # its turn within its tier (smaller first)
-    want: Any = None  # what its dispatcher needs to serve it
+    want: Any = None  # what its dispatcher needs to serve it (a Want)
     member: str = ""  # its name in the slot ledger's queue ('' when only this worker knows it)
     granted: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())

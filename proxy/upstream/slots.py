@@ -38,9 +38,13 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from proxy.store.client import Primaries, Store
 from proxy.store.script_pipe import ScriptPipes
+
+if TYPE_CHECKING:
+    from proxy.upstream.pool import Backend
 
 BEAT_S = 2.0
 # A tier keeps the tiers below it out of the engines' own queues ([routing] engine_queue) this
@@ -355,3 +359,18 @@ class SlotLedger:
     async def close(self) -> None:
         await self._pipes.close()
         await self._primaries.close()
+
+
+def offer(backends: Sequence[Backend]) -> list[tuple[str, int, int]]:
+    """Backends as the slot ledger is offered them: (name, slots, queued), in order."""
+    return [(b.name, b.slots, b.queued) for b in backends]
+
+
+def free_here(preferred: list[Backend], keep_free: int, need: int) -> list[Backend] | None:
+    """The first `need` of `preferred` with a slot free by this worker's own counts, when
+    more than `keep_free` are."""
+    free = sum(max(0, b.slots - b.outstanding) for b in preferred)
+    if free <= keep_free:
+        return None
+    found = [b for b in preferred if b.outstanding < b.slots][:need]
+    return found if len(found) == need else None

@@ -59,7 +59,9 @@ async def test_a_killed_workers_task_completes_on_another(tmp_path: Path, stacks
         assert record["result"]["choices"][0]["message"]["content"]
         # The record is written before the entry is acked and deleted: give that a moment.
         async with asyncio.timeout(5):
-            while await redis.xlen(QUEUE):
+            while True:
+                if await redis.xlen(QUEUE) == 0:
+                    break
                 await asyncio.sleep(0.05)
         assert re.search(r"worker \d exited \(code -9\)", stack.log.read_text())
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
@@ -467,3 +468,34 @@ def test_a_rarely_picked_replica_measures_its_time_per_request_not_its_idle_gaps
         backend.take_signals(EngineSignals(waiting=0, running=running, kv=0.0, at=at,
                                            done=done))
     assert backend.service_s == pytest.approx(0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("reserving", [False, True])
+def test_prompts_ranked_while_others_wait_for_their_slots_see_those_prefills(
+        reserving: bool) -> None:
+    """Requests arriving at once are each ranked before any of them is bound (each waits for
+    its slot's script call). One new prompt was placed; five more arrive: counted as they
+    wait (`Pool.reserved`), each one's prefill on the replica it ranked first spreads them
+    three and three; uncounted, all five saw only the first's backlog and went to the other
+    replica (as on real vLLM: loadtests.real_routing, 2026-11-29)."""
+    pool = chat_pool("a", "b", prefill_ms_per_1k_tokens=60)
+    prompts = [prompt_of(turns(f"System prompt number {i}. " * 60, "q")) for i in range(6)]
+    first = pool.ranked(prompt=prompts[0]).order[0]
+    pool.placed(first, prompts[0])
+
+    def backlog() -> dict[str, float]:  # prefill work each was sent, not yet done (seconds)
+        now = time.monotonic()
+        return {b.name: max(0.0, b.prefill_until - now) for b in pool.backends}
+
+    before = backlog()
+    assert sorted(before.values())[0] == 0 and sorted(before.values())[1] > 0
+    firsts = [first.name]
+    with contextlib.ExitStack() as waiting:
+        for prompt in prompts[1:]:
+            ranked_first = pool.ranked(prompt=prompt).order[0]
+            if reserving:
+                waiting.enter_context(pool.reserved(ranked_first, prompt))
+            firsts.append(ranked_first.name)
+    assert sorted(Counter(firsts).values()) == ([3, 3] if reserving else [1, 5])
+    # Bound or gone, a wait's prefill leaves the backlog as it found it.
+    assert backlog() == pytest.approx(before, abs=0.01)

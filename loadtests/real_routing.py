@@ -222,11 +222,11 @@ def run(config: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
     computed = prompt - hits  # the sums' ratio (fixed costs in), what an operator reads by hand
     misses: dict[str, Any] = {}
     if traced is not None:
-        logs = {r.name: r.log for r in replicas}
-        kinds = kind_of(conversations, traced, logs)
+        answered_by = replica_of({r.name: r.log for r in replicas})
+        kinds = kind_of(conversations, traced, answered_by)
         misses["requests_by_kind"] = count_kinds(kinds)
         misses["requests_by_replica"] = dict(sorted(Counter(
-            replica_of(logs).get(traced[i][0], "unmatched") for i in traced).items()))
+            answered_by.get(traced[i][0], "unmatched") for i in traced).items()))
         misses["ttft_ms_by_kind"] = {kind: sorted(round(traced[i][3] * 1000, 1)
                                                   for i in kinds if kinds[i] == kind)
                                      for kind in KINDS}
@@ -275,17 +275,16 @@ def replica_of(logs: dict[str, Path]) -> dict[str, str]:
 
 
 def kind_of(conversations: Sequence[list[dict[str, str]]], traced: Traced,
-            logs: dict[str, Path]) -> dict[int, str]:
+            answered_by: dict[str, str]) -> dict[int, str]:
     """`--trace`: each request (in sending order) by what its replica held of its system
     prompt: `first` (no replica had been sent it), `elsewhere` (this replica had not, another
     had), `evicted` (this one had, but found less than half the prompt cached), `hit`, and
-    `unmatched` (no replica logged its id)."""
-    replicas = replica_of(logs)
+    `unmatched` (no replica logged its id: `answered_by`, from `replica_of`)."""
     sent: dict[str, set[str]] = {}  # system prompt -> replicas sent it
     kinds = {}
     for i in sorted(traced):
         answer_id, prompt_tokens, cached, _ = traced[i]
-        replica = replicas.get(answer_id)
+        replica = answered_by.get(answer_id)
         if replica is None:
             kinds[i] = "unmatched"
             continue

@@ -391,12 +391,12 @@ class Pool:
 
     @contextlib.contextmanager
     def reserved(self, backend: Backend, prompt: Prompt | None) -> Iterator[None]:
-        """While a request ranked with `backend` first waits for its slot, what it would
-        prefill there counts in that backend's backlog, for requests ranked meanwhile to see
-        (six arriving at once, all ranked before any was bound, went five to one replica:
-        loadtests.real_routing, 2026-11-29); `placed` then counts it for good."""
-        work = (0.0 if self.index is None or prompt is None else
-                self._prefill_s(backend, prompt, self.index.matched(backend.name, prompt)))
+        """While a request ranked with `backend` first waits for its slot, its prefill counts
+        there for requests ranked meanwhile (six at once went 5/1, unseen); `placed` keeps it."""
+        if self.index is None or prompt is None:  # no backlog kept: nothing to count
+            yield
+            return
+        work = self._prefill_s(backend, prompt, self.index.matched(backend.name, prompt))
         backend.prefill_until = max(backend.prefill_until, time.monotonic()) + work
         try:
             yield

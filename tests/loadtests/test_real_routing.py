@@ -83,8 +83,8 @@ def test_trace_sorts_requests_by_what_their_replica_held(tmp_path: Path) -> None
               3: ("chatcmpl-3", 400, 0, 0.3),     # A on r1, which had never been sent it
               4: ("chatcmpl-4", 400, 32, 0.2),    # A on r0 again, evicted since
               5: ("chatcmpl-9", 400, 384, 0.1)}   # logged by neither
-    kinds = real_routing.kind_of(conversations, traced,
-                                 {"r0": tmp_path / "r0.log", "r1": tmp_path / "r1.log"})
+    kinds = real_routing.kind_of(conversations, traced, real_routing.replica_of(
+        {"r0": tmp_path / "r0.log", "r1": tmp_path / "r1.log"}))
     assert kinds == {0: "first", 1: "hit", 2: "first", 3: "elsewhere", 4: "evicted",
                      5: "unmatched"}
     kinds_counted = real_routing.count_kinds(kinds)
